@@ -1,0 +1,1 @@
+"""trace-lightning: FP4 reinforcement learning for MoE language models with train-rollout quantization alignment."""

@@ -1,0 +1,1 @@
+"""Verifiable tasks: prompts with ground truth and verifiers returning rewards."""

@@ -1,0 +1,1 @@
+"""Rollout guidance: QuantRecord, compaction (parity + scales, depth-selective), storage and exchange."""

@@ -1,0 +1,1 @@
+"""Lightning glue: LightningModules, the RL DataModule, callbacks and the trace-rl CLI."""

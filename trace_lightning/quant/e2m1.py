@@ -1,0 +1,72 @@
+"""The E2M1 (FP4) element codec and nibble packing.
+
+A code c in 0..15 has the sign in bit 3 and a magnitude index c & 7 into
+{0, 0.5, 1, 1.5, 2, 3, 4, 6}. Encoding rounds to nearest, ties to even, saturating at 6, exactly as
+`torch.float4_e2m1fn_x2` and `ml_dtypes.float4_e2m1fn` casts do. Bit 0 of a code is the mantissa
+bit of the magnitude, which is what a parity record keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# Doubled grid values 0,1,2,3,4,6,8,12 -> magnitude index; other entries are never hit.
+_DOUBLED_TO_INDEX = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
+_CODE_TO_VALUE = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_float_input(x: Tensor, what: str = "input") -> None:
+    """Raise ValueError unless x is a floating tensor the quantizers accept."""
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{what} has unsupported dtype {x.dtype}; expected one of {_FLOAT_DTYPES}")
+
+
+def encode_e2m1(x: Tensor) -> Tensor:
+    """Round x to the nearest E2M1 value (ties to even, saturating) and return uint8 codes 0..15.
+
+    NaN encodes as +6 (code 7): E2M1 has no NaN, so the block quantizers mark such blocks through
+    their scale instead; the fixed code keeps kernel and emulator bytes identical.
+    """
+    check_float_input(x)
+    x = x.float()
+    nan = torch.isnan(x)
+    mag = torch.clamp(x.abs(), max=E2M1_MAX).masked_fill_(nan, E2M1_MAX)
+    # The grid step is 0.5 below 2, 1 below 4, and 2 up to 6; torch.round is round-half-even.
+    inv_step = torch.where(mag < 2.0, 2.0, torch.where(mag < 4.0, 1.0, 0.5))
+    doubled = torch.round(mag * inv_step).div_(inv_step).mul_(2.0).to(torch.uint8)
+    codes = _DOUBLED_TO_INDEX.to(x.device)[doubled.long()]
+    negative = torch.signbit(x) & ~nan
+    return codes | (negative.to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: Tensor) -> Tensor:
+    """Map uint8 codes 0..15 to their float32 values (code 8 is -0.0)."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    if codes.numel() and int(codes.max()) > 15:
+        raise ValueError(f"codes must lie in 0..15, got a maximum of {int(codes.max())}")
+    return _CODE_TO_VALUE.to(codes.device)[codes.long()]
+
+
+def pack_fp4(codes: Tensor) -> Tensor:
+    """Pack pairs of codes along the last dim into bytes, the even index in the low nibble."""
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    if codes.shape[-1] % 2:
+        raise ValueError(f"last dim must be even to pack FP4 pairs, got shape {tuple(codes.shape)}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """Inverse of pack_fp4: bytes [..., K/2] -> codes [..., K]."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be uint8, got {packed.dtype}")
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)

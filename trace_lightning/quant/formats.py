@@ -1,0 +1,64 @@
+"""FP4 format descriptors: which block format, how the NVFP4 global scale is taken, which MX rule.
+
+Weights take one global scale per matrix (per expert for stacked experts) and activations one per
+row, so a token's quantization never depends on what else is in the batch (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from trace_lightning.quant.blocks import BlockFP4
+from trace_lightning.quant.mxfp4 import MXFP4_BLOCK, check_mx_mode, quantize_mxfp4
+from trace_lightning.quant.nvfp4 import NVFP4_BLOCK, quantize_nvfp4, row_global_scale, tensor_global_scale
+
+FORMAT_KINDS = ("nvfp4", "mxfp4")
+GLOBAL_SCALES = ("row", "matrix", "none")
+
+
+@dataclass(frozen=True)
+class FP4Format:
+    """An FP4 block format and its scaling granularity."""
+
+    kind: str = "nvfp4"
+    """Block format: "nvfp4" (16-element blocks, E4M3 scales) or "mxfp4" (32, E8M0)."""
+    global_scale: str = "row"
+    """NVFP4 global scale: "row" (activations, K/V), "matrix" (weights), or "none"."""
+    mx_mode: str = "floor"
+    """MXFP4 scale rule: "floor" or "rceil"."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in FORMAT_KINDS:
+            raise ValueError(f"unknown FP4 format {self.kind!r}; expected one of {FORMAT_KINDS}")
+        if self.global_scale not in GLOBAL_SCALES:
+            raise ValueError(f"unknown global scale {self.global_scale!r}; expected one of {GLOBAL_SCALES}")
+        check_mx_mode(self.mx_mode)
+
+    @property
+    def block_size(self) -> int:
+        return NVFP4_BLOCK if self.kind == "nvfp4" else MXFP4_BLOCK
+
+    def for_weights(self) -> FP4Format:
+        return FP4Format(self.kind, "matrix", self.mx_mode)
+
+    def quantize(self, x: Tensor) -> BlockFP4:
+        if self.kind == "mxfp4":
+            return quantize_mxfp4(x, self.mx_mode)
+        if self.global_scale == "none":
+            return quantize_nvfp4(x)
+        g = row_global_scale(x) if self.global_scale == "row" else tensor_global_scale(x, dims=min(2, x.dim()))
+        return quantize_nvfp4(x, g)
+
+
+def parse_format(fmt: FP4Format | str) -> FP4Format:
+    """Accept an FP4Format or a short name: "nvfp4", "nvfp4:matrix", "nvfp4:none", "mxfp4", "mxfp4:rceil"."""
+    if isinstance(fmt, FP4Format):
+        return fmt
+    if not isinstance(fmt, str):
+        raise ValueError(f"FP4 format must be an FP4Format or a string, got {type(fmt).__name__}")
+    kind, _, option = fmt.partition(":")
+    if kind == "mxfp4":
+        return FP4Format("mxfp4", mx_mode=option or "floor")
+    return FP4Format(kind, global_scale=option or "row")

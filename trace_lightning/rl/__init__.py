@@ -1,0 +1,1 @@
+"""RL maths as short pure functions: advantages, policy losses, mismatch correction, metrics."""
