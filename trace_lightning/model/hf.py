@@ -1,0 +1,456 @@
+"""Hugging Face checkpoints <-> ``Transformer``, through one declarative table per family (litgpt style).
+
+The four families differ only in tensor names and in how q/k/v and the experts are split, so each is a
+``Family``: a config field map plus a tuple of ``Rule``s, and the same table drives loading, saving and
+validation. Hub checkpoints store one tensor per expert (``experts.{j}.gate_proj.weight``, Mixtral
+``block_sparse_moe.experts.{j}.w1.weight``); transformers >= 5 fuses them in memory (``experts.gate_up_proj``)
+and some tools save that layout, so loading accepts both and ``save_hf`` writes the per-expert one.
+A load builds and validates the whole state dict before it touches a model, so a bad file never leaves
+a half-loaded model behind.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from trace_lightning.model.config import MoEConfig
+from trace_lightning.model.model import Transformer
+
+FromHF = Callable[[list[Tensor], MoEConfig], Tensor]
+ToHF = Callable[[Tensor, MoEConfig], list[Tensor]]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be converted; the message names the file or tensor at fault."""
+
+
+# ---- transforms: from_hf merges HF tensors into one of ours, to_hf splits it back ------------------------------
+
+def _one(ts: list[Tensor], c: MoEConfig) -> Tensor:
+    return ts[0]
+
+
+def _same(t: Tensor, c: MoEConfig) -> list[Tensor]:
+    return [t]
+
+
+def _cat(ts: list[Tensor], c: MoEConfig) -> Tensor:
+    return torch.cat(ts, dim=0)
+
+
+def _split_qkv(t: Tensor, c: MoEConfig) -> list[Tensor]:
+    return list(t.split([c.q_dim, c.kv_dim, c.kv_dim], dim=0))
+
+
+def _halves(t: Tensor, c: MoEConfig) -> list[Tensor]:
+    return list(t.chunk(2, dim=0))
+
+
+def _stack_gate_up(ts: list[Tensor], c: MoEConfig) -> Tensor:
+    """[gate_0, up_0, gate_1, up_1, ...] (I, D) each -> w13 [E, 2I, D]."""
+    return torch.stack([torch.cat(ts[j : j + 2], dim=0) for j in range(0, len(ts), 2)])
+
+
+def _unstack_gate_up(t: Tensor, c: MoEConfig) -> list[Tensor]:
+    return [half for w in t.unbind(0) for half in w.chunk(2, dim=0)]
+
+
+def _stack(ts: list[Tensor], c: MoEConfig) -> Tensor:
+    return torch.stack(ts)
+
+
+def _unstack(t: Tensor, c: MoEConfig) -> list[Tensor]:
+    return list(t.unbind(0))
+
+
+def _always(c: MoEConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One of our tensors and the HF tensors it is made of. ``{i}`` is the layer, ``{j}`` the expert
+    (expanded expert-major: all templates for expert 0, then expert 1, ...)."""
+
+    ours: str
+    hf: tuple[str, ...]
+    from_hf: FromHF = _one
+    to_hf: ToHF = _same
+    when: Callable[[MoEConfig], bool] = _always
+
+    def hf_keys(self, c: MoEConfig, layer: int) -> list[str]:
+        experts = range(c.n_experts) if any("{j}" in t for t in self.hf) else [0]
+        return [t.format(i=layer, j=j) for j in experts for t in self.hf]
+
+
+L = "model.layers.{i}."
+EMBEDDINGS = (
+    Rule("tok_embeddings.weight", ("model.embed_tokens.weight",)),
+    Rule("norm.weight", ("model.norm.weight",)),
+    Rule("output.weight", ("lm_head.weight",), when=lambda c: not c.tie_embeddings),
+)
+ATTENTION = (
+    Rule("layers.{i}.attention_norm.weight", (L + "input_layernorm.weight",)),
+    Rule("layers.{i}.attn.wqkv.weight",
+         (L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"),
+         _cat, _split_qkv),
+    Rule("layers.{i}.attn.wo.weight", (L + "self_attn.o_proj.weight",)),
+    Rule("layers.{i}.ffn_norm.weight", (L + "post_attention_layernorm.weight",)),
+)
+QK_NORM = (
+    Rule("layers.{i}.attn.q_norm.weight", (L + "self_attn.q_norm.weight",)),
+    Rule("layers.{i}.attn.k_norm.weight", (L + "self_attn.k_norm.weight",)),
+)
+QKV_BIAS = (
+    Rule("layers.{i}.attn.wqkv.bias",
+         (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"), _cat, _split_qkv),
+)
+SHARED_EXPERT = (
+    Rule("layers.{i}.moe.shared.w13.weight",
+         (L + "mlp.shared_expert.gate_proj.weight", L + "mlp.shared_expert.up_proj.weight"), _cat, _halves),
+    Rule("layers.{i}.moe.shared.w2.weight", (L + "mlp.shared_expert.down_proj.weight",)),
+    Rule("layers.{i}.moe.shared.gate", (L + "mlp.shared_expert_gate.weight",)),
+)
+
+
+def per_expert(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """The hub layout: router plus one gate/up/down tensor per expert."""
+    p = L + block + "."
+    return (
+        Rule("layers.{i}.moe.router.weight", (p + "gate.weight",)),
+        Rule("layers.{i}.moe.experts.w13", (p + f"experts.{{j}}.{gate}.weight", p + f"experts.{{j}}.{up}.weight"),
+             _stack_gate_up, _unstack_gate_up),
+        Rule("layers.{i}.moe.experts.w2", (p + f"experts.{{j}}.{down}.weight",), _stack, _unstack),
+    )
+
+
+FUSED_EXPERTS = (  # transformers >= 5 in-memory layout; the same [E, 2I, D] / [E, D, I] as ours
+    Rule("layers.{i}.moe.router.weight", (L + "mlp.gate.weight",)),
+    Rule("layers.{i}.moe.experts.w13", (L + "mlp.experts.gate_up_proj",)),
+    Rule("layers.{i}.moe.experts.w2", (L + "mlp.experts.down_proj",)),
+)
+QWEN_EXPERTS = per_expert("mlp", "gate_proj", "up_proj", "down_proj")
+
+COMMON_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "num_experts_per_tok": "top_k",
+    "rms_norm_eps": "norm_eps", "max_position_embeddings": "max_seq_len", "tie_word_embeddings": "tie_embeddings",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Hugging Face architecture: config field map, constraints, and weight rules."""
+
+    architecture: str
+    model_type: str
+    fields: dict[str, str]
+    """HF config attribute -> MoEConfig field (beyond COMMON_FIELDS)."""
+    fixed: dict[str, Any]
+    """MoEConfig fields every model of the family has."""
+    requires: dict[str, Any]
+    """HF config attributes that must have these values (features we do not implement); written on save."""
+    rules: tuple[Rule, ...]
+    """Non-expert tensors of every layer and the globals."""
+    layouts: tuple[tuple[Rule, ...], ...]
+    """Alternative router/expert layouts, tried per layer in order; the first is what save_hf writes."""
+
+
+ROUTED = {"num_experts": "n_experts", "norm_topk_prob": "norm_topk_prob"}
+FAMILIES: dict[str, Family] = {f.architecture: f for f in (
+    Family(
+        "Qwen3MoeForCausalLM", "qwen3_moe",
+        fields={"moe_intermediate_size": "moe_intermediate", **ROUTED},
+        fixed={"qk_norm": "head"},
+        requires={"hidden_act": "silu", "attention_bias": False, "mlp_only_layers": [], "decoder_sparse_step": 1,
+                  "use_sliding_window": False},
+        rules=EMBEDDINGS + ATTENTION + QK_NORM,
+        layouts=(QWEN_EXPERTS, FUSED_EXPERTS),
+    ),
+    Family(
+        "OlmoeForCausalLM", "olmoe",
+        fields={"intermediate_size": "moe_intermediate", **ROUTED},
+        fixed={"qk_norm": "full"},
+        requires={"hidden_act": "silu", "attention_bias": False, "clip_qkv": None},
+        rules=EMBEDDINGS + ATTENTION + QK_NORM,
+        layouts=(QWEN_EXPERTS, FUSED_EXPERTS),
+    ),
+    Family(
+        "MixtralForCausalLM", "mixtral",
+        fields={"intermediate_size": "moe_intermediate", "num_local_experts": "n_experts"},
+        fixed={"qk_norm": "none", "norm_topk_prob": True},
+        requires={"hidden_act": "silu", "sliding_window": None},
+        rules=EMBEDDINGS + ATTENTION,
+        layouts=(per_expert("block_sparse_moe", "w1", "w3", "w2"), FUSED_EXPERTS),
+    ),
+    Family(
+        "Qwen2MoeForCausalLM", "qwen2_moe",
+        fields={"moe_intermediate_size": "moe_intermediate", **ROUTED,
+                "shared_expert_intermediate_size": "shared_intermediate", "qkv_bias": "qkv_bias"},
+        fixed={"qk_norm": "none", "n_shared_experts": 1, "shared_expert_gate": True},
+        requires={"hidden_act": "silu", "mlp_only_layers": [], "decoder_sparse_step": 1, "use_sliding_window": False},
+        rules=EMBEDDINGS + ATTENTION + QKV_BIAS + SHARED_EXPERT,
+        layouts=(QWEN_EXPERTS, FUSED_EXPERTS),
+    ),
+)}
+
+
+def family_for(architecture: str) -> Family:
+    if architecture not in FAMILIES:
+        raise CheckpointError(f"unsupported architecture {architecture!r}; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[architecture]
+
+
+# ---- config ------------------------------------------------------------------------------------------------------
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"missing config: no config.json in {path}")
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {file}: {e}") from e
+
+
+def config_from_hf(path: str | Path) -> MoEConfig:
+    """Read a checkpoint folder's config.json into a MoEConfig (through transformers' config class, which
+    normalises legacy keys such as a top-level ``rope_theta``)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    raw = _read_config_json(path)
+    architecture = (raw.get("architectures") or [None])[0]
+    if architecture is None:
+        architecture = next((f.architecture for f in FAMILIES.values() if f.model_type == raw.get("model_type")),
+                            str(raw.get("model_type")))
+    family = family_for(architecture)
+    hf = AutoConfig.for_model(**raw)
+    for key, value in family.requires.items():
+        if getattr(hf, key, value) != value:
+            raise CheckpointError(f"{path / 'config.json'}: unsupported {key}={getattr(hf, key)!r} "
+                                  f"(only {value!r} is implemented for {architecture})")
+    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
+    if rope.get("rope_type", "default") != "default":
+        raise CheckpointError(f"{path / 'config.json'}: unsupported rope type {rope['rope_type']!r}")
+    values = {ours: getattr(hf, key) for key, ours in {**COMMON_FIELDS, **family.fields}.items()}
+    values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    try:
+        config = MoEConfig(name=path.name, hf_architecture=architecture, head_dim=head_dim,
+                           rope_theta=float(rope["rope_theta"]), **values, **family.fixed)
+        _check_head_dim(family, config)
+    except ValueError as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}") from e
+    return config
+
+
+def _check_head_dim(family: Family, c: MoEConfig) -> None:
+    if family.model_type == "olmoe" and c.q_dim != c.dim:
+        raise CheckpointError(f"OLMoE needs n_heads * head_dim == dim (its q/k norms span hidden_size), got "
+                              f"{c.n_heads} * {c.head_dim} != {c.dim}")
+
+
+def config_to_hf(config: MoEConfig, dtype: torch.dtype = torch.float32) -> Any:
+    """The transformers config (``PretrainedConfig``) that ``save_hf`` writes for ``config``."""
+    from transformers import AutoConfig
+
+    family = family_for(config.hf_architecture)
+    _check_head_dim(family, config)
+    values = {key: getattr(config, ours) for key, ours in {**COMMON_FIELDS, **family.fields}.items()}
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    return AutoConfig.for_model(family.model_type, architectures=[family.architecture], rope_parameters=rope,
+                                head_dim=config.head_dim, dtype=str(dtype).removeprefix("torch."),
+                                **family.requires, **values)
+
+
+# ---- reading -----------------------------------------------------------------------------------------------------
+
+class _SafetensorsReader:
+    """Key -> tensor over one ``model.safetensors`` or the shards of ``model.safetensors.index.json``."""
+
+    def __init__(self, path: Path) -> None:
+        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise CheckpointError(f"cannot read {index}: {e}") from e
+            files = {name: path / name for name in sorted(set(weight_map.values()))}
+        elif single.is_file():
+            files = {single.name: single}
+            weight_map = {}
+        else:
+            raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        self.handles: dict[str, Any] = {}
+        for name, file in files.items():
+            if not file.is_file():
+                raise CheckpointError(f"missing shard {file} (listed in {index.name})")
+            try:
+                self.handles[name] = safe_open(str(file), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"cannot read {file}: {e}") from e
+        if not weight_map:
+            weight_map = {key: single.name for key in self.handles[single.name].keys()}
+        self.weight_map = weight_map
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def keys(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, key: str) -> Tensor:
+        if key not in self.weight_map:
+            raise CheckpointError(f"missing tensor {key!r} in the checkpoint")
+        file = self.weight_map[key]
+        try:
+            return self.handles[file].get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {key!r} from {file}: {e}") from e
+
+
+def _layer_rules(family: Family, c: MoEConfig) -> Iterator[tuple[int, Rule]]:
+    """(layer, rule) for the non-expert rules; layer -1 marks a global tensor."""
+    for rule in family.rules:
+        if rule.when(c):
+            layers = range(c.n_layers) if "{i}" in rule.ours else [-1]
+            yield from ((i, rule) for i in layers)
+
+
+def _expected_shapes(c: MoEConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {k: v.shape for k, v in Transformer(c).state_dict().items()}
+
+
+def _convert(rule: Rule, layer: int, reader: _SafetensorsReader, c: MoEConfig,
+             expected: dict[str, torch.Size]) -> tuple[str, Tensor, list[str]]:
+    """Read and shape-check a rule's HF tensors, return (our key, tensor, HF keys used)."""
+    ours = rule.ours.format(i=layer)
+    keys = rule.hf_keys(c, layer)
+    want = [t.shape for t in rule.to_hf(torch.empty(expected[ours], device="meta"), c)]
+    tensors = []
+    for key, shape in zip(keys, want, strict=True):
+        t = reader.get(key)
+        if t.shape != shape:
+            raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)} for {c.name}")
+        tensors.append(t)
+    return ours, rule.from_hf(tensors, c), keys
+
+
+def _pick_layout(family: Family, reader: _SafetensorsReader, c: MoEConfig, layer: int) -> tuple[Rule, ...]:
+    for layout in family.layouts:
+        if all(k in reader for rule in layout for k in rule.hf_keys(c, layer)):
+            return layout
+    return family.layouts[0]  # reading it names the first missing tensor
+
+
+def load_hf_state_dict(path: str | Path, config: MoEConfig, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu") -> dict[str, Tensor]:
+    """Our complete, validated state dict from a checkpoint folder (raises ``CheckpointError`` on any problem)."""
+    path = Path(path)
+    family = family_for(config.hf_architecture)
+    reader = _SafetensorsReader(path)
+    expected = _expected_shapes(config)
+    jobs = list(_layer_rules(family, config))
+    jobs += [(i, rule) for i in range(config.n_layers) for rule in _pick_layout(family, reader, config, i)]
+    state, used = {}, set()
+    for layer, rule in jobs:
+        ours, tensor, keys = _convert(rule, layer, reader, config, expected)
+        state[ours] = tensor.to(device=device, dtype=dtype)
+        used.update(keys)
+    if config.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+        used.add("lm_head.weight")
+    unexpected = sorted(k for k in reader.keys() - used if not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:
+        raise CheckpointError(f"{len(unexpected)} unexpected tensors in {path} (e.g. {unexpected[0]!r}); "
+                              "the checkpoint does not match its config")
+    missing = set(expected) - set(state)
+    assert not missing, f"weight map of {family.architecture} does not cover {sorted(missing)}"
+    return state
+
+
+def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Transformer:
+    """Build a ``Transformer`` from a Hugging Face checkpoint folder (config.json + safetensors)."""
+    config = config_from_hf(path)
+    state = load_hf_state_dict(path, config, dtype=dtype, device=device)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(state, assign=True, strict=True)
+    model.tie_weights()
+    return model
+
+
+_CONFIG_FIELDS_THAT_MATTER = ("hf_architecture", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                              "moe_intermediate", "n_experts", "top_k", "norm_topk_prob", "router", "n_shared_experts",
+                              "shared_intermediate", "shared_expert_gate", "qkv_bias", "qk_norm", "rope_theta",
+                              "norm_eps", "tie_embeddings")
+
+
+@torch.no_grad()
+def load_hf_weights(model: Transformer, path: str | Path) -> None:
+    """Copy a checkpoint's weights into ``model`` in place; all-or-nothing (the model is untouched on error)."""
+    ckpt = config_from_hf(path)
+    diff = [f for f in _CONFIG_FIELDS_THAT_MATTER if getattr(ckpt, f) != getattr(model.config, f)]
+    if diff:
+        raise CheckpointError(f"checkpoint {path} does not match the model's config in {diff}")
+    params = model.state_dict()
+    state = load_hf_state_dict(path, model.config, dtype=params["norm.weight"].dtype,
+                               device=params["norm.weight"].device)
+    for key, p in params.items():
+        p.copy_(state[key])
+
+
+# ---- writing -----------------------------------------------------------------------------------------------------
+
+def to_hf_state_dict(model: Transformer) -> dict[str, Tensor]:
+    """HF-named tensors in the hub layout (per-expert), as independent contiguous CPU tensors."""
+    c = model.config
+    family = family_for(c.hf_architecture)
+    ours = model.state_dict()
+    jobs = list(_layer_rules(family, c)) + [(i, rule) for i in range(c.n_layers) for rule in family.layouts[0]]
+    out = {}
+    for layer, rule in jobs:
+        tensors = rule.to_hf(ours[rule.ours.format(i=layer)].detach(), c)
+        out.update({k: t.to("cpu").contiguous().clone() for k, t in zip(rule.hf_keys(c, layer), tensors, strict=True)})
+    return out
+
+
+def save_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and safetensors (sharded with an index above ``max_shard_bytes``) that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf_state_dict(model)
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    dtype = model.norm.weight.dtype
+    config_to_hf(model.config, dtype).save_pretrained(str(path))
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for n, shard in enumerate(shards, start=1):
+        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -1,0 +1,117 @@
+"""Tokenizers behind one small interface: a built-in character tokenizer for the CPU simulator tasks
+(fits debug-moe's 128-token vocab, needs no files) and a wrapper over a local ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+
+class Tokenizer(Protocol):
+    """What envs, rollout and training need from a tokenizer."""
+
+    pad_id: int
+    bos_id: int | None
+    eos_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str: ...
+
+
+class CharTokenizer:
+    """<pad>=0, <bos>=1, <eos>=2, then tab, newline and printable ASCII (space..~): 100 ids."""
+
+    specials = (PAD, BOS, EOS)
+    chars = "\t\n" + "".join(chr(c) for c in range(32, 127))
+
+    def __init__(self) -> None:
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.vocab_size = len(self.specials) + len(self.chars)
+        self._ids = {ch: i + len(self.specials) for i, ch in enumerate(self.chars)}
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = [self.bos_id] if bos else []
+        for pos, ch in enumerate(text):
+            if ch not in self._ids:
+                raise ValueError(f"CharTokenizer cannot encode {ch!r} at position {pos} (only printable ASCII)")
+            ids.append(self._ids[ch])
+        return ids + [self.eos_id] if eos else ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        out = []
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+            if i >= len(self.specials):
+                out.append(self.chars[i - len(self.specials)])
+            elif not skip_special:
+                out.append(self.specials[i])
+        return "".join(out)
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` from a local file; specials from tokenizer_config.json when it is beside it."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        path = Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        try:
+            self.tok = _Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises its own exception type
+            raise ValueError(f"cannot read tokenizer {file}: {e}") from e
+        specials = _special_tokens(file.parent / "tokenizer_config.json")
+        self.bos_id = self._id(specials.get("bos_token"), (BOS, "<s>", "<|endoftext|>"))
+        self.eos_id = self._id(specials.get("eos_token"), (EOS, "</s>", "<|endoftext|>", "<|im_end|>"))
+        pad = self._id(specials.get("pad_token"), (PAD, "<unk>"))
+        self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    def _id(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
+        for token in (configured, *fallbacks):
+            if token is not None and (i := self.tok.token_to_id(token)) is not None:
+                return i
+        return None
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if bos:
+            if self.bos_id is None:
+                raise ValueError("this tokenizer has no bos token")
+            ids = [self.bos_id, *ids]
+        if eos:
+            if self.eos_id is None:
+                raise ValueError("this tokenizer has no eos token")
+            ids = [*ids, self.eos_id]
+        return ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+
+def _special_tokens(file: Path) -> dict[str, str]:
+    """bos/eos/pad token strings from a tokenizer_config.json (strings or {"content": ...} dicts)."""
+    if not file.is_file():
+        return {}
+    raw = json.loads(file.read_text())
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        value = raw.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def load_tokenizer(path: str | Path) -> HFTokenizer:
+    """A local tokenizer.json, or a folder holding one (as Hugging Face checkpoints do)."""
+    return HFTokenizer(path)
