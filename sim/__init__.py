@@ -1,1 +1,21 @@
-"""CPU emulation of every kernel op, written to match the kernels' arithmetic (the bit-exact reference)."""
+"""CPU emulation of every kernel op, written to match the kernels' arithmetic (the bit-exact reference).
+
+Same signatures as trace_lightning.kernels; pick one through trace_lightning.ops.backend_for. Options after
+`*` (e.g. compute_dtype) exist only here: they model how production kernels' numerics differ from the trainer.
+"""
+
+from trace_lightning.sim.kv import fp4_kv_attention, kv_append
+from trace_lightning.sim.linear import fp4_linear
+from trace_lightning.sim.moe import fp4_moe
+from trace_lightning.sim.quantize import pack_parity, quantize_mxfp4, quantize_nvfp4, quantize_nvfp4_rows
+
+__all__ = [
+    "fp4_kv_attention",
+    "fp4_linear",
+    "fp4_moe",
+    "kv_append",
+    "pack_parity",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
+    "quantize_nvfp4_rows",
+]

@@ -1,0 +1,93 @@
+"""The one dispatch point between Triton kernels and their CPU twins, plus the FP4 KV cache layout.
+
+`backend_for(device, choice)` returns trace_lightning.kernels or trace_lightning.sim; both expose the same
+ops (quantize_nvfp4, quantize_nvfp4_rows, quantize_mxfp4, pack_parity, fp4_linear, fp4_moe, kv_append,
+fp4_kv_attention), so callers write `ops = backend_for(x.device, cfg.backend); ops.fp4_linear(x, w)`.
+Backends are imported lazily: this module needs only torch, so CPU-only code never loads Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from trace_lightning.quant import NVFP4
+
+BACKENDS = ("auto", "triton", "sim")
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels on CPU tensors (TRITON_INTERPRET=1, read by Triton at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def backend_for(device: torch.device | str, choice: str = "auto") -> ModuleType:
+    """The op module for tensors on `device`: "auto" is Triton on CUDA and the sim elsewhere."""
+    if choice not in BACKENDS:
+        raise ValueError(f"unknown backend {choice!r}; expected one of {BACKENDS}")
+    device = torch.device(device)
+    if choice == "sim" or (choice == "auto" and device.type != "cuda"):
+        return importlib.import_module("trace_lightning.sim")
+    if device.type != "cuda" and not interpreter_enabled():
+        raise ValueError(
+            f"backend 'triton' on a {device.type} tensor needs TRITON_INTERPRET=1 set before triton is imported; "
+            "use backend 'sim' (or 'auto') on CPU"
+        )
+    return importlib.import_module("trace_lightning.kernels")
+
+
+@dataclass
+class FP4KVLayer:
+    """One layer's FP4 KV cache, contiguous per (batch, kv head): NVFP4 rows with per-token-head globals.
+
+    k_packed uint8 [B, Hkv, S, Dh/2], k_scales float8_e4m3fn [B, Hkv, S, Dh/16], k_global float32 [B, Hkv, S, 1],
+    and the same for v. Contiguous so that the decode kernel reads each head's keys as one stream.
+    """
+
+    k_packed: Tensor
+    k_scales: Tensor
+    k_global: Tensor
+    v_packed: Tensor
+    v_scales: Tensor
+    v_global: Tensor
+
+    @classmethod
+    def allocate(cls, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 device: torch.device | str = "cpu") -> FP4KVLayer:
+        """Zeroed cache (zero bytes dequantize to 0.0)."""
+        if head_dim % 16:
+            raise ValueError(f"head_dim must be divisible by 16, got {head_dim}")
+        shape = (batch, kv_heads, max_len)
+
+        def zeros(last: int, dtype: torch.dtype) -> Tensor:
+            return torch.zeros(*shape, last, dtype=dtype, device=device)
+
+        return cls(zeros(head_dim // 2, torch.uint8), zeros(head_dim // 16, torch.uint8).view(torch.float8_e4m3fn),
+                   zeros(1, torch.float32), zeros(head_dim // 2, torch.uint8),
+                   zeros(head_dim // 16, torch.uint8).view(torch.float8_e4m3fn), zeros(1, torch.float32))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, Hkv, S, Dh)"""
+        B, H, S, half = self.k_packed.shape
+        return B, H, S, 2 * half
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_packed, self.k_scales, self.k_global,
+                                                           self.v_packed, self.v_scales, self.v_global))
+
+    def dequantize_k(self) -> Tensor:
+        """float32 keys [B, Hkv, S, Dh]."""
+        return NVFP4(self.k_packed, self.k_scales, self.k_global).dequantize()
+
+    def dequantize_v(self) -> Tensor:
+        """float32 values [B, Hkv, S, Dh]."""
+        return NVFP4(self.v_packed, self.v_scales, self.v_global).dequantize()
+
+
+__all__ = ["BACKENDS", "FP4KVLayer", "backend_for", "interpreter_enabled"]
