@@ -1,1 +1,9 @@
-"""Triton FP4 kernels; every op has a CPU twin in trace_lightning.sim with the same signature."""
+"""Triton FP4 kernels; every op has a CPU twin in trace_lightning.sim with the same signature.
+
+These functions always launch their kernel (on CPU tensors only under TRITON_INTERPRET=1); choosing
+Triton or the sim is trace_lightning.ops.backend_for's job alone.
+"""
+
+from trace_lightning.kernels.quantize import pack_parity, quantize_mxfp4, quantize_nvfp4, quantize_nvfp4_rows
+
+__all__ = ["pack_parity", "quantize_mxfp4", "quantize_nvfp4", "quantize_nvfp4_rows"]

@@ -1,0 +1,77 @@
+"""Triton device helpers shared by the FP4 kernels: bit-exact E2M1 / E4M3 / E8M0 arithmetic.
+
+Everything that decides a byte is done with integer bit operations or IEEE-rounded float32 ops
+(`div_rn`, plain multiplies), never with approximate hardware conversions, so the bytes equal the
+torch reference on GPU and under TRITON_INTERPRET=1 alike, on Triton 3.6 and 3.9.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def nan_free_abs(x):
+    """|x| with NaN replaced by 0 (so tl.max never sees NaN), plus a 0/1 NaN indicator."""
+    is_nan = x != x
+    return tl.where(is_nan, 0.0, tl.abs(x)), is_nan.to(tl.int32)
+
+
+@triton.jit
+def encode_e2m1(y):
+    """E2M1 codes (int32 0..15) of float32 y: RNE, saturating, -0 keeps its sign, NaN -> 7 (the sim's rule)."""
+    a = tl.abs(y)
+    m = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
+    m += (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    return tl.where(y != y, 7, m | (sign << 3))
+
+
+@triton.jit
+def e4m3_round_byte(c):
+    """E4M3 byte of float32 c in [2^-6, 448] (normal range: the quantizer clamps first), round to nearest even."""
+    b = c.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFFF + ((b >> 20) & 1)) & ~0xFFFFF
+    return (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+
+
+@triton.jit
+def e4m3_to_f32(byte):
+    """float32 value of E4M3 bytes (int32 0..255): normals, subnormals, NaN for 0x7F / 0xFF."""
+    e = (byte >> 3) & 15
+    m = byte & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+    v = tl.where((byte & 0x7F) == 0x7F, float("nan"), v)
+    return tl.where((byte & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def e2m1_to_f16_scaled(code):
+    """fp16 holding E2M1 value * 2^-14 (the code's bits shifted into fp16; exact, subnormals included)."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def unpack_codes(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """uint8 [ROWS, COLS // 2] bytes -> int32 codes [ROWS, COLS], the even index in the low nibble."""
+    p = packed.to(tl.int32)
+    return tl.reshape(tl.join(p & 15, p >> 4), (ROWS, COLS))
+
+
+@triton.jit
+def pack_codes(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """int32 codes [ROWS, COLS] -> uint8 bytes [ROWS, COLS // 2]."""
+    lo, hi = tl.split(tl.reshape(codes, (ROWS, COLS // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def dequant_tile(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr):
+    """NVFP4 tile -> code * block scale in DTYPE (exact in bf16: <= 6 significant bits); global scale left out."""
+    v = e2m1_to_f16_scaled(unpack_codes(packed, ROWS, COLS)).to(tl.float32)
+    s = e4m3_to_f32(scale_bytes.to(tl.int32)) * 16384.0  # undo the 2^-14 of the fp16 trick (exact)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, COLS // 16, 16)), (ROWS, COLS))
+    return (v * s).to(DTYPE)

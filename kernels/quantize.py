@@ -1,0 +1,204 @@
+"""Triton NVFP4 / MXFP4 quantizers, byte-identical with trace_lightning.quant (and so torchao 0.18).
+
+One program quantizes BLOCK_R rows, walking K in chunks; the row-global variant first takes each row's
+amax in the same program (a row never depends on its batch). The float32 op order is the reference's:
+amax / 6, / global, clamp [2^-6, 448], E4M3 round, x * ((1 / global) / scale), E2M1 RNE.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from trace_lightning.kernels._fp4 import e4m3_round_byte, e4m3_to_f32, encode_e2m1, nan_free_abs, pack_codes
+
+from trace_lightning.quant import MXFP4, NVFP4
+from trace_lightning.quant.mxfp4 import check_mx_mode
+from trace_lightning.quant.nvfp4 import _check_global_scale
+
+GLOBAL_NONE, GLOBAL_GIVEN, GLOBAL_ROW = 0, 1, 2
+
+
+@triton.jit
+def _row_global(x_ptr, R, K, rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-row global amax / 2688 floored at 2^-120; NaN for a row holding NaN, inf for one holding inf."""
+    amax = tl.zeros((BLOCK_R,), tl.float32)
+    nan = tl.zeros((BLOCK_R,), tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < R) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        a, n = nan_free_abs(x)
+        amax = tl.maximum(amax, tl.max(a, axis=1))
+        nan = tl.maximum(nan, tl.max(n, axis=1))
+    g = tl.maximum(tl.math.div_rn(amax, 2688.0), 7.52316384526264e-37)  # 2^-120
+    return tl.where(nan != 0, float("nan"), g)
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, R, K, MODE: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    NB: tl.constexpr = BLOCK_K // 16
+    if MODE == 2:
+        g = _row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K)
+        tl.store(g_ptr + rows, g, mask=rows < R)
+    else:
+        g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
+    g_bad = ~(tl.abs(g) < float("inf"))
+    inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < R) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xb = tl.reshape(x, (BLOCK_R, NB, 16))
+        a, n = nan_free_abs(xb)
+        amax = tl.max(a, axis=2)
+        bad = (tl.max(n, axis=2) != 0) | (amax == float("inf"))
+        bs = tl.math.div_rn(amax, 6.0)
+        if MODE != 0:
+            bs = tl.math.div_rn(bs, g[:, None])
+            bad = bad | g_bad[:, None]
+        byte = e4m3_round_byte(tl.minimum(tl.maximum(bs, 0.015625), 448.0))
+        byte = tl.where(bad | (bs != bs), 0x7F, byte)
+        s = e4m3_to_f32(byte)
+        if MODE != 0:
+            r = tl.math.div_rn(tl.broadcast_to(inv_g[:, None], (BLOCK_R, NB)), s)
+        else:
+            r = tl.math.div_rn(tl.full((BLOCK_R, NB), 1.0, tl.float32), s)
+        codes = tl.reshape(encode_e2m1(xb * r[:, :, None]), (BLOCK_R, BLOCK_K))
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], pack_codes(codes, BLOCK_R, BLOCK_K),
+                 mask=(rows[:, None] < R) & (half[None, :] < K // 2))
+        nb = k0 // 16 + tl.arange(0, NB)
+        tl.store(scales_ptr + rows[:, None] * (K // 16) + nb[None, :], byte.to(tl.uint8),
+                 mask=(rows[:, None] < R) & (nb[None, :] < K // 16))
+
+
+@triton.jit
+def _rceil_exponent(v):
+    """ceil(log2(v)) for float32 v >= 0 as torch computes it (correctly rounded log2, then ceil), int32."""
+    vb = v.to(tl.int32, bitcast=True)
+    field = vb >> 23
+    mant = vb & 0x7FFFFF
+    e = field - 127
+    a = tl.abs(e)
+    fl = (a >= 2).to(tl.int32) + (a >= 4).to(tl.int32) + (a >= 8).to(tl.int32) + (a >= 16).to(tl.int32)
+    fl += (a >= 32).to(tl.int32) + (a >= 64).to(tl.int32)
+    pow2 = (a & (a - 1)) == 0
+    t = tl.where(e > 0, fl - 1, fl - 1 - pow2.to(tl.int32))  # half an ulp of e + log2(1+f) is 2^(t-23)
+    limit = tl.where(t == 1, 1, tl.where(t == 2, 2, tl.where(t == 3, 5, tl.where(t == 4, 11, tl.where(t >= 5, 22, 0)))))
+    limit = tl.where((e == 0) | (e == -1), 0, limit)  # floor(2^t * ln 2): log2 rounds back to e below it
+    normal = tl.where((mant == 0) | (mant <= limit), e, e + 1)
+    sub = tl.where(vb - 0x400000 > 11, -126, -127)  # subnormal v (and 0): only -127 or -126 survive the clamp
+    return tl.where(field == 0, sub, normal)
+
+
+@triton.jit
+def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    NB: tl.constexpr = BLOCK_K // 32
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = (rows[:, None] < R) & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xb = tl.reshape(x, (BLOCK_R, NB, 32))
+        a, n = nan_free_abs(xb)
+        amax = tl.max(a, axis=2)
+        bad = (tl.max(n, axis=2) != 0) | (amax == float("inf"))
+        if RCEIL:
+            exp = tl.minimum(tl.maximum(_rceil_exponent(tl.math.div_rn(amax, 6.0)), -127), 127)
+            biased = tl.where(bad, 255, exp + 127)
+            rb = ((254 - biased) << 23).to(tl.float32, bitcast=True)
+            r = tl.where(biased == 0, 1.0, tl.where(biased == 254, 5.877471754111438e-39, rb))  # 2^-127
+            r = tl.where(biased == 255, float("nan"), r)
+        else:
+            exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129
+            biased = tl.where(bad, 255, tl.minimum(tl.maximum(exp, -127), 128) + 127)
+            r = ((254 - tl.maximum(biased, 1)) << 23).to(tl.float32, bitcast=True)  # 1 / max(scale, 2^-126)
+            r = tl.where(biased == 255, 0.0, r)  # x / inf
+        codes = tl.reshape(encode_e2m1(xb * r[:, :, None]), (BLOCK_R, BLOCK_K))
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], pack_codes(codes, BLOCK_R, BLOCK_K),
+                 mask=(rows[:, None] < R) & (half[None, :] < K // 2))
+        nb = k0 // 32 + tl.arange(0, NB)
+        tl.store(scales_ptr + rows[:, None] * (K // 32) + nb[None, :], biased.to(tl.uint8),
+                 mask=(rows[:, None] < R) & (nb[None, :] < K // 32))
+
+
+@triton.jit
+def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    quad = tl.arange(0, 4)
+    p = tl.load(packed_ptr + offs[:, None] * 4 + quad[None, :], mask=offs[:, None] < n_out, other=0).to(tl.int32)
+    bits = ((p & 1) | (((p >> 4) & 1) << 1)) << (2 * quad[None, :])
+    tl.store(out_ptr + offs, tl.sum(bits, axis=1).to(tl.uint8), mask=offs < n_out)
+
+
+def _rows_view(x: Tensor, block: int) -> Tensor:
+    if not isinstance(x, Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"input must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() == 0 or x.shape[-1] % block:
+        raise ValueError(f"last dim of shape {tuple(x.shape)} must be divisible by the block size {block}")
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _launch_shape(R: int, K: int) -> tuple[int, int]:
+    block_k = min(triton.next_power_of_2(K), 256)
+    block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
+    return block_r, block_k
+
+
+def _nvfp4(x: Tensor, g: Tensor | None, mode: int) -> tuple[Tensor, Tensor, Tensor]:
+    x2 = _rows_view(x, 16)
+    R, K = x2.shape
+    packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(R, K // 16, dtype=torch.uint8, device=x.device)
+    g_rows = torch.empty(R, dtype=torch.float32, device=x.device) if g is None else g
+    block_r, block_k = _launch_shape(R, K)
+    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, packed, scales, R, K, mode, block_r, block_k, num_warps=4)
+    lead = tuple(x.shape[:-1])
+    return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
+
+
+def quantize_nvfp4(x: Tensor, global_scale: Tensor | float | None = None) -> NVFP4:
+    """NVFP4 of x [..., K] with no, a scalar, or a broadcastable [..., 1] global scale (Triton)."""
+    g = _check_global_scale(global_scale, x)
+    rows = None if g is None else torch.broadcast_to(g, (*x.shape[:-1], 1)).reshape(-1).contiguous()
+    packed, scales, _ = _nvfp4(x, rows if rows is not None else torch.ones(1, device=x.device),
+                               GLOBAL_NONE if g is None else GLOBAL_GIVEN)
+    return NVFP4(packed=packed, scales=scales, global_scale=g)
+
+
+def quantize_nvfp4_rows(x: Tensor) -> NVFP4:
+    """NVFP4 with the per-row global scale computed in the same pass (activations, K/V) (Triton)."""
+    packed, scales, g = _nvfp4(x, None, GLOBAL_ROW)
+    return NVFP4(packed=packed, scales=scales, global_scale=g.view(*x.shape[:-1], 1))
+
+
+def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
+    """MXFP4 of x [..., K] with the FLOOR or RCEIL scale rule (Triton)."""
+    check_mx_mode(mode)
+    x2 = _rows_view(x, 32)
+    R, K = x2.shape
+    packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(R, K // 32, dtype=torch.uint8, device=x.device)
+    block_r, block_k = _launch_shape(R, K)
+    _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed, scales, R, K, mode == "rceil", block_r, block_k,
+                                              num_warps=4)
+    lead = tuple(x.shape[:-1])
+    return MXFP4(packed=packed.view(*lead, K // 2), scales=scales.view(*lead, K // 32).view(torch.float8_e8m0fnu),
+                 mode=mode)
+
+
+def pack_parity(packed: Tensor) -> Tensor:
+    """Parity bits of packed codes [..., K/2] -> uint8 [..., K/8]; bit i of byte j is code 8j + i (Triton)."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
+        raise ValueError(f"packed must be uint8 with a last dim divisible by 4, got {packed.dtype} {packed.shape}")
+    src = packed.contiguous()
+    out = torch.empty(*packed.shape[:-1], packed.shape[-1] // 4, dtype=torch.uint8, device=packed.device)
+    n = out.numel()
+    _parity_kernel[(triton.cdiv(n, 1024),)](src, out, n, 1024, num_warps=4)
+    return out

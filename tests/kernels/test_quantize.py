@@ -1,0 +1,114 @@
+"""Triton quantizers give the sim's bytes exactly: random data, every scale byte, ties, specials, RCEIL edges."""
+
+import math
+
+import pytest
+import torch
+
+from trace_lightning import kernels, sim
+from trace_lightning.quant import BlockFP4
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter
+
+E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+TIES = [0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.1]
+
+
+def assert_same(a: BlockFP4, b: BlockFP4) -> None:
+    assert a.packed.shape == b.packed.shape and a.scales.dtype == b.scales.dtype
+    assert torch.equal(a.packed.cpu(), b.packed.cpu()), "codes differ"
+    assert torch.equal(a.scale_bytes().cpu(), b.scale_bytes().cpu()), "scale bytes differ"
+    ga, gb = getattr(a, "global_scale", None), getattr(b, "global_scale", None)
+    if ga is not None or gb is not None:
+        assert torch.equal(ga.cpu().view(torch.int32), gb.cpu().view(torch.int32)), "global scales differ"
+
+
+def special_rows(block: int) -> torch.Tensor:
+    """Rows of exact ties (scaled by 6 so amax lands on the grid), signed zeros, subnormals, inf and NaN."""
+    ties = torch.tensor(TIES)
+    rows = [torch.cat([ties, -ties]).repeat(block // 16 if block >= 16 else 1)[: 2 * block]]
+    rows.append(torch.tensor([-0.0, 0.0] * block))
+    rows.append(torch.full((2 * block,), 1e-40) * torch.arange(2 * block))
+    row = torch.randn(2 * block, generator=torch.Generator().manual_seed(5))
+    for special in (float("inf"), float("-inf"), float("nan")):
+        r = row.clone()
+        r[3] = special
+        rows.append(r)
+    rows.append(torch.zeros(2 * block))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 48), (7, 640), (1, 16)])
+def test_nvfp4_random_bytes(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-8, 8, shape[:-1] + (1,), generator=gen)))
+    x = x.to(dtype).to(device)
+    assert_same(kernels.quantize_nvfp4_rows(x), sim.quantize_nvfp4_rows(x))
+    assert_same(kernels.quantize_nvfp4(x), sim.quantize_nvfp4(x))
+    assert_same(kernels.quantize_nvfp4(x, 0.003), sim.quantize_nvfp4(x, 0.003))
+    g = torch.rand(shape[:-1] + (1,), generator=gen).to(device) * 0.01
+    assert_same(kernels.quantize_nvfp4(x, g), sim.quantize_nvfp4(x, g))
+
+
+def test_nvfp4_every_scale_byte_and_tie(device: str) -> None:
+    """Blocks whose amax / 6 is each E4M3 value, holding every tie point; with and without a global scale."""
+    finite = E4M3_VALUES[torch.isfinite(E4M3_VALUES) & (E4M3_VALUES >= 0)]  # 127 values incl. subnormals
+    ties = torch.tensor(TIES)
+    blocks = (ties / 6.0)[None, :] * 6.0 * finite[:, None]  # (127, 16): amax = 6 * value
+    blocks[:, 1::2] *= -1
+    x = blocks.reshape(-1, 64) if blocks.numel() % 64 == 0 else blocks.reshape(-1, 16)
+    x = x.to(device)
+    assert_same(kernels.quantize_nvfp4(x), sim.quantize_nvfp4(x))
+    for g in (2.0**-9, 0.37, 3.0):
+        assert_same(kernels.quantize_nvfp4(x, g), sim.quantize_nvfp4(x, g))
+    assert_same(kernels.quantize_nvfp4_rows(x), sim.quantize_nvfp4_rows(x))
+    bytes_seen = sim.quantize_nvfp4(x).scale_bytes().unique()
+    assert bytes_seen.numel() >= 100  # the scale bytes really were exercised
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_mxfp4_random_and_special_bytes(device: str, mode: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 320, generator=gen) * torch.exp2(torch.randint(-20, 20, (6, 1), generator=gen))
+    for t in (x, x.bfloat16(), special_rows(32)):
+        t = t.to(device)
+        assert_same(kernels.quantize_mxfp4(t, mode), sim.quantize_mxfp4(t, mode))
+
+
+def test_nvfp4_special_rows(device: str) -> None:
+    x = special_rows(16).to(device)
+    assert_same(kernels.quantize_nvfp4_rows(x), sim.quantize_nvfp4_rows(x))
+    assert_same(kernels.quantize_nvfp4(x), sim.quantize_nvfp4(x))
+    assert_same(kernels.quantize_nvfp4(x, 0.01), sim.quantize_nvfp4(x, 0.01))
+    q = kernels.quantize_nvfp4_rows(x)
+    assert q.dequantize()[3:6].isnan().all() and q.dequantize()[6].eq(0).all()  # non-finite rows stay NaN
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_mxfp4_every_exponent_near_powers_of_two(device: str, mode: str) -> None:
+    """amax just above 6 * 2^e for every e: where torch's rounded log2 decides RCEIL's exponent."""
+    mants = torch.tensor([0, 1, 2, 3, 5, 6, 11, 12, 22, 23, 44, 45, 1000, 2**23 - 1], dtype=torch.int32)
+    exps = torch.arange(-126, 126, dtype=torch.int32)
+    bits = ((exps[:, None] + 127) << 23) | mants[None, :]  # v = 2^e (1 + m 2^-23)
+    v = bits.view(torch.float32).reshape(-1)
+    amax = torch.cat([v * 6.0, v, torch.tensor([2.0**-130, 2.0**-127 * 1.0001, 1e-45])])
+    x = torch.zeros(amax.numel(), 32)
+    x[:, 0] = amax
+    x[:, 1] = -amax / 3
+    x[:, 2] = amax / 7
+    x = x[torch.isfinite(amax)].to(device)
+    assert_same(kernels.quantize_mxfp4(x, mode), sim.quantize_mxfp4(x, mode))
+    assert math.isfinite(float(x.abs().max()))
+
+
+def test_pack_parity_matches_sim(device: str) -> None:
+    q = sim.quantize_nvfp4_rows(torch.randn(4, 3, 96, generator=torch.Generator().manual_seed(4)).to(device))
+    assert torch.equal(kernels.pack_parity(q.packed).cpu(), sim.pack_parity(q.packed).cpu())
+
+
+def test_kernels_reject_bad_input(device: str) -> None:
+    with pytest.raises(ValueError):
+        kernels.quantize_nvfp4_rows(torch.randn(2, 24, device=device))
+    with pytest.raises(ValueError):
+        kernels.quantize_mxfp4(torch.randn(2, 32, device=device), "round")
