@@ -21,7 +21,7 @@ GLOBAL_NONE, GLOBAL_GIVEN, GLOBAL_ROW = 0, 1, 2
 
 
 @triton.jit
-def _row_global(x_ptr, R, K, rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def row_global(x_ptr, R, K, rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per-row global amax / 2688 floored at 2^-120; NaN for a row holding NaN, inf for one holding inf."""
     amax = tl.zeros((BLOCK_R,), tl.float32)
     nan = tl.zeros((BLOCK_R,), tl.int32)
@@ -32,8 +32,38 @@ def _row_global(x_ptr, R, K, rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr)
         a, n = nan_free_abs(x)
         amax = tl.maximum(amax, tl.max(a, axis=1))
         nan = tl.maximum(nan, tl.max(n, axis=1))
+    return row_global_from_amax(amax, nan)
+
+
+@triton.jit
+def row_global_from_amax(amax, nan):
+    """clamp(amax / (448 * 6), min=2^-120), NaN where the row held NaN (amax is NaN-free, inf kept)."""
     g = tl.maximum(tl.math.div_rn(amax, 2688.0), 7.52316384526264e-37)  # 2^-120
     return tl.where(nan != 0, float("nan"), g)
+
+
+@triton.jit
+def nvfp4_tile(x, g, inv_g, HAS_GLOBAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Quantize a float32 tile [BLOCK_R, BLOCK_K] with row globals g [BLOCK_R] (1/g given):
+    -> (packed uint8 [BLOCK_R, BLOCK_K // 2], scale bytes int32 [BLOCK_R, BLOCK_K // 16])."""
+    NB: tl.constexpr = BLOCK_K // 16
+    xb = tl.reshape(x, (BLOCK_R, NB, 16))
+    a, n = nan_free_abs(xb)
+    amax = tl.max(a, axis=2)
+    bad = (tl.max(n, axis=2) != 0) | (amax == float("inf"))
+    bs = tl.math.div_rn(amax, 6.0)
+    if HAS_GLOBAL:
+        bs = tl.math.div_rn(bs, g[:, None])
+        bad = bad | ~(tl.abs(g) < float("inf"))[:, None]
+    byte = e4m3_round_byte(tl.minimum(tl.maximum(bs, 0.015625), 448.0))
+    byte = tl.where(bad | (bs != bs), 0x7F, byte)
+    s = e4m3_to_f32(byte)
+    if HAS_GLOBAL:
+        r = tl.math.div_rn(tl.broadcast_to(inv_g[:, None], (BLOCK_R, NB)), s)
+    else:
+        r = tl.math.div_rn(tl.full((BLOCK_R, NB), 1.0, tl.float32), s)
+    codes = tl.reshape(encode_e2m1(xb * r[:, :, None]), (BLOCK_R, BLOCK_K))
+    return pack_codes(codes, BLOCK_R, BLOCK_K), byte
 
 
 @triton.jit
@@ -42,34 +72,18 @@ def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, R, K, MODE: tl.constexpr
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     NB: tl.constexpr = BLOCK_K // 16
     if MODE == 2:
-        g = _row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K)
+        g = row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K)
         tl.store(g_ptr + rows, g, mask=rows < R)
     else:
         g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
-    g_bad = ~(tl.abs(g) < float("inf"))
     inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = (rows[:, None] < R) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        xb = tl.reshape(x, (BLOCK_R, NB, 16))
-        a, n = nan_free_abs(xb)
-        amax = tl.max(a, axis=2)
-        bad = (tl.max(n, axis=2) != 0) | (amax == float("inf"))
-        bs = tl.math.div_rn(amax, 6.0)
-        if MODE != 0:
-            bs = tl.math.div_rn(bs, g[:, None])
-            bad = bad | g_bad[:, None]
-        byte = e4m3_round_byte(tl.minimum(tl.maximum(bs, 0.015625), 448.0))
-        byte = tl.where(bad | (bs != bs), 0x7F, byte)
-        s = e4m3_to_f32(byte)
-        if MODE != 0:
-            r = tl.math.div_rn(tl.broadcast_to(inv_g[:, None], (BLOCK_R, NB)), s)
-        else:
-            r = tl.math.div_rn(tl.full((BLOCK_R, NB), 1.0, tl.float32), s)
-        codes = tl.reshape(encode_e2m1(xb * r[:, :, None]), (BLOCK_R, BLOCK_K))
+        packed, byte = nvfp4_tile(x, g, inv_g, MODE != 0, BLOCK_R, BLOCK_K)
         half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], pack_codes(codes, BLOCK_R, BLOCK_K),
+        tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], packed,
                  mask=(rows[:, None] < R) & (half[None, :] < K // 2))
         nb = k0 // 16 + tl.arange(0, NB)
         tl.store(scales_ptr + rows[:, None] * (K // 16) + nb[None, :], byte.to(tl.uint8),

@@ -1,0 +1,40 @@
+"""Host-side helpers shared by the Triton op wrappers."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton.language as tl
+from torch import Tensor
+
+TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def mma_dtype(dtype: torch.dtype, device: torch.device):  # noqa: ANN201 (a triton dtype)
+    """Triton dtype of the MMA operands for activations of this dtype (float32 stays exact: IEEE dot).
+
+    Under the CPU interpreter bf16/fp16 dots are wrong (it multiplies raw bits), so there the operands go
+    in as float32: they are exact in bf16 anyway (weights are code * scale), so the products are the same.
+    """
+    if dtype not in TL_DTYPES:
+        raise ValueError(f"activations must be bfloat16, float16 or float32, got {dtype}")
+    return TL_DTYPES[dtype] if device.type == "cuda" else tl.float32
+
+
+def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
+    return "ieee" if dtype == torch.float32 or device.type != "cuda" else "tf32"
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors to fill (a token 4 under the CPU interpreter)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
+
+
+def scale_bytes(t: Tensor) -> Tensor:
+    return t.view(torch.uint8)

@@ -1,0 +1,198 @@
+"""FP4 KV cache kernels: fused quantize-on-append, and split-KV decode attention over the packed cache.
+
+The cache is contiguous per (batch, kv head) [B, Hkv, S, ...] (not paged): a decode program streams one
+head's keys as long unit-stride runs, and the engine's rollouts have a fixed max length, so paging buys
+little here. Keys and values are dequantized in registers as code * block scale (exact in bf16); the
+per-token-head global scale is folded into the scores (keys) and into the probabilities (values), so
+no rounding is added beyond the bf16 MMA operands. Long contexts are split over programs (flash-decoding)
+and merged by a second small kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from trace_lightning.kernels._common import dot_precision, mma_dtype, scale_bytes, sm_count
+from trace_lightning.kernels._fp4 import dequant_tile, nan_free_abs
+from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_amax
+
+from trace_lightning.quant import NVFP4
+
+if TYPE_CHECKING:
+    from trace_lightning.ops import FP4KVLayer
+
+
+@triton.jit
+def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, rows, dest, R,
+                DH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    cols = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + rows[:, None] * DH + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < DH),
+                other=0.0).to(tl.float32)
+    a, n = nan_free_abs(x)
+    g = row_global_from_amax(tl.max(a, axis=1), tl.max(n, axis=1))
+    inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
+    packed, byte = nvfp4_tile(x, g, inv_g, True, BLOCK_R, BLOCK_D)
+    half = tl.arange(0, BLOCK_D // 2)
+    nb = tl.arange(0, BLOCK_D // 16)
+    ok = rows < R
+    pm = ok[:, None] & (half[None, :] < DH // 2)
+    sm = ok[:, None] & (nb[None, :] < DH // 16)
+    tl.store(packed_ptr + rows[:, None] * (DH // 2) + half[None, :], packed, mask=pm)
+    tl.store(scales_ptr + rows[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm)
+    tl.store(g_ptr + rows, g, mask=ok)
+    write = dest >= 0
+    tl.store(c_packed + dest[:, None] * (DH // 2) + half[None, :], packed, mask=pm & write[:, None])
+    tl.store(c_scales + dest[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm & write[:, None])
+    tl.store(c_g + dest, g, mask=ok & write)
+
+
+@triton.jit
+def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg, cvp, cvs, cvg,
+                   R, T, H, S, DH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = (b * T + t) * H + h
+    h = rows % H
+    bt = rows // H
+    b = bt // T
+    pos = tl.load(pos_ptr + bt, mask=rows < R, other=-1)
+    dest = tl.where(pos >= 0, (b * H + h) * S + pos, -1)  # cache row (b, h, pos)
+    _append_one(k_ptr, kp, ks, kg, ckp, cks, ckg, rows, dest, R, DH, BLOCK_R, BLOCK_D)
+    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, BLOCK_R, BLOCK_D)
+
+
+def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tuple[NVFP4, NVFP4]:
+    """Quantize k, v [B, T, Hkv, Dh] per token-head row and write them at positions [B, T] (< 0: skipped),
+    in one launch; returns the NVFP4 k and v in [B, T, Hkv, ...] layout for the record (Triton)."""
+    B, Hkv, S, Dh = layer.shape
+    if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != (B, Hkv, Dh):
+        raise ValueError(f"k/v must be [B, T, Hkv, Dh] = [{B}, T, {Hkv}, {Dh}], got {tuple(k.shape)}")
+    T = k.shape[1]
+    if positions.shape != (B, T):
+        raise ValueError(f"positions must be [B, T] = {(B, T)}, got {tuple(positions.shape)}")
+    R = B * T * Hkv
+    dev = k.device
+    outs = [(torch.empty(B, T, Hkv, Dh // 2, dtype=torch.uint8, device=dev),
+             torch.empty(B, T, Hkv, Dh // 16, dtype=torch.uint8, device=dev),
+             torch.empty(B, T, Hkv, 1, dtype=torch.float32, device=dev)) for _ in range(2)]
+    block_d = triton.next_power_of_2(Dh)
+    block_r = max(1, min(2048 // block_d, triton.next_power_of_2(R)))
+    _append_kernel[(triton.cdiv(R, block_r),)](
+        k.contiguous(), v.contiguous(), positions.to(torch.int64).contiguous(), *outs[0], *outs[1],
+        layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
+        layer.v_packed, scale_bytes(layer.v_scales), layer.v_global,
+        R, T, Hkv, S, Dh, block_r, block_d, num_warps=4)
+    return tuple(NVFP4(p, s.view(torch.float8_e4m3fn), g) for p, s, g in outs)  # type: ignore[return-value]
+
+
+@triton.jit
+def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_ptr, sm_scale,
+                       T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
+                       BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr):
+    bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
+    t = bht % T
+    bh = bht // T
+    b = bh // H
+    h = bh % H
+    gi = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, DH)
+    # q [B, H * G, T, DH]: query head h * G + gi
+    q_rows = ((b * H * G + h * G + gi) * T + t) * DH
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=gi[:, None] < G, other=0.0).to(DTYPE)
+    length = tl.minimum(tl.load(pos_ptr + b * T + t) + 1, S)
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, length)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, DH), tl.float32)
+    base = bh * S
+    hd = tl.arange(0, DH // 2)
+    sd = tl.arange(0, DH // 16)
+    for s0 in range(lo, hi, BLOCK_S):
+        js = s0 + tl.arange(0, BLOCK_S)
+        valid = js < hi
+        rows = base + js
+        kt = dequant_tile(tl.load(kp + rows[:, None] * (DH // 2) + hd[None, :], mask=valid[:, None], other=0),
+                          tl.load(ks + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
+                          BLOCK_S, DH, DTYPE)
+        gk = tl.load(kg + rows, mask=valid, other=0.0)
+        scores = tl.dot(q, tl.trans(kt), input_precision=PREC) * (gk * sm_scale)[None, :]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = dequant_tile(tl.load(vp + rows[:, None] * (DH // 2) + hd[None, :], mask=valid[:, None], other=0),
+                          tl.load(vs + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
+                          BLOCK_S, DH, DTYPE)
+        gv = tl.load(vg + rows, mask=valid, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot((p * gv[None, :]).to(DTYPE), vt, input_precision=PREC)
+        m_i = m_new
+    part = (bht * NUM_SPLITS + split) * G + gi
+    tl.store(o_ptr + part[:, None] * DH + d[None, :], acc, mask=gi[:, None] < G)
+    tl.store(m_ptr + part, m_i, mask=gi < G)
+    tl.store(l_ptr + part, l_i, mask=gi < G)
+
+
+@triton.jit
+def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, T, H, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
+                       BLOCK_SPLITS: tl.constexpr):
+    bht, g = tl.program_id(0), tl.program_id(1)
+    sp = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, DH)
+    part = (bht * NUM_SPLITS + sp) * G + g
+    ok = sp < NUM_SPLITS
+    m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
+    l_part = tl.load(l_ptr + part, mask=ok, other=0.0)
+    o = tl.load(o_ptr + part[:, None] * DH + d[None, :], mask=ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    den = tl.sum(w * l_part, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(den > 0, den, 1.0)
+    t = bht % T
+    bh = bht // T
+    b = bh // H
+    h = bh % H
+    row = ((b * H * G + h * G + g) * T + t) * DH
+    tl.store(out_ptr + row + d, res.to(out_ptr.dtype.element_ty))
+
+
+def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> int:
+    """Splits of the key range so that (B * Hkv * T) * splits programs fill the chip."""
+    return max(1, min(triton.cdiv(2 * sm_count(device), work), triton.cdiv(S, block_s), 64))
+
+
+def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: float,
+                 num_splits: int | None = None) -> Tensor:
+    B, Hq, T, Dh = q.shape
+    _, Hkv, S, _ = layer.shape
+    if Hq % Hkv or q_positions.shape != (B, T) or Dh != layer.shape[3] or Dh & (Dh - 1):
+        raise ValueError(f"q {tuple(q.shape)} / q_positions {tuple(q_positions.shape)} do not fit the cache "
+                         f"{layer.shape} (head_dim must be a power of two)")
+    G = Hq // Hkv
+    block_s = 64
+    splits = num_splits or attention_splits(B * Hkv * T, S, block_s, q.device)
+    split_len = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
+    splits = triton.cdiv(S, split_len)
+    work = B * Hkv * T
+    o = torch.empty(work * splits * G, Dh, dtype=torch.float32, device=q.device)
+    m = torch.empty(work * splits * G, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    pos = q_positions.to(torch.int64).contiguous()
+    _attn_split_kernel[(work, splits)](
+        q.contiguous(), pos, layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
+        layer.v_packed, scale_bytes(layer.v_scales), layer.v_global, o, m, l_sum, float(sm_scale),
+        T, Hkv, S, split_len, splits, G, Dh, max(16, triton.next_power_of_2(G)), block_s,
+        mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device), num_warps=4, num_stages=2)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
+                                  num_warps=4)
+    return out
+
+
+def fp4_kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: float) -> Tensor:
+    """GQA attention of q [B, Hq, T, Dh] over cached keys j <= q_positions[b, t], reading the packed cache
+    (Triton); a query with a negative position outputs zeros."""
+    return kv_attention(q, layer, q_positions, sm_scale)

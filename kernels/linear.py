@@ -1,0 +1,103 @@
+"""W4A16 GEMM for decode and prefill: NVFP4 weights dequantized in registers, float32 accumulation.
+
+Each program loads a packed weight tile [BLOCK_N, BLOCK_K / 2] and its E4M3 scales, turns them into
+code * scale (exact in bf16), and feeds tl.dot with the activation tile; the per-row global scale is
+applied to the float32 accumulator. Hopper has no FP4 MMA (tl.dot_scaled is emulated via bf16 there and
+takes only E8M0 scales in 32-blocks, not NVFP4's E4M3 16-blocks), so the win is bytes: the weight stream
+is 4.5 bits. Small M gives few tiles, so K is split across programs into float32 partials that a
+deterministic sum reduces (no atomics: rollouts stay bit-reproducible).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from trace_lightning.kernels._common import dot_precision, mma_dtype, scale_bytes, sm_count
+from trace_lightning.kernels._fp4 import dequant_tile
+
+from trace_lightning.quant import NVFP4
+
+
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
+                   DTYPE: tl.constexpr, PREC: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_lo = pid_k * K_SPLIT
+    for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(w_ptr + rn[:, None] * (K // 2) + hk[None, :], mask=(rn[:, None] < N) & (hk[None, :] < K // 2),
+                    other=0)
+        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        s = tl.load(s_ptr + rn[:, None] * (K // 16) + sk[None, :], mask=(rn[:, None] < N) & (sk[None, :] < K // 16),
+                    other=0)
+        w = dequant_tile(p, s, BLOCK_N, BLOCK_K, DTYPE)
+        acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PREC)
+    g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)
+    acc = acc * g[None, :]
+    out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def weight_row_globals(w: NVFP4) -> Tensor:
+    """float32 [..., N] per-row global scales (ones when the weight has none); see sim._weights.row_globals."""
+    lead = tuple(w.packed.shape[:-1])
+    g = w.global_scale
+    if g is None:
+        return torch.ones(lead, dtype=torch.float32, device=w.packed.device)
+    g = g.to(device=w.packed.device, dtype=torch.float32)
+    if g.numel() == 1:
+        return g.reshape(()).expand(lead).contiguous()
+    if len(lead) >= 2 and g.numel() == lead[0]:
+        return g.reshape(lead[0], *([1] * (len(lead) - 1))).expand(lead).contiguous()
+    if g.numel() == torch.Size(lead).numel():
+        return g.reshape(lead).contiguous()
+    raise ValueError(f"weight global scale of shape {tuple(g.shape)} does not fit weight rows {lead}")
+
+
+def linear_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k): enough programs to fill the chip at decode sizes."""
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_n = 64 if M <= 64 else 128
+    block_k = 128 if K % 128 == 0 or K > 128 else max(16, triton.next_power_of_2(K))
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    k_blocks = triton.cdiv(K, block_k)
+    split = 1
+    while tiles * split < 2 * sm_count(device) and split * 2 <= k_blocks // 2:
+        split *= 2
+    return block_m, block_n, block_k, split
+
+
+def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | None = None,
+           blocks: tuple[int, int, int] | None = None) -> Tensor:
+    if x.dim() != 2 or len(w.shape) != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"fp4_linear needs x [M, K] and w [N, K], got {tuple(x.shape)} and {w.shape}")
+    M, K = x.shape
+    N = w.shape[0]
+    bm, bn, bk, split = linear_config(M, N, K, x.device)
+    if blocks is not None:
+        bm, bn, bk = blocks
+    split = split_k or split
+    k_split = triton.cdiv(triton.cdiv(K, bk), split) * bk
+    split = triton.cdiv(K, k_split)
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else out_dtype,
+                      device=x.device)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    _linear_kernel[grid](x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(),
+                         weight_row_globals(w), out, M, N, K, k_split, mma_dtype(x.dtype, x.device),
+                         dot_precision(x.dtype, x.device),
+                         bm, bn, bk, num_warps=4, num_stages=3)
+    return out.sum(0).to(out_dtype) if split > 1 else out
+
+
+def fp4_linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [M, K] (bf16/fp16/fp32, already fake-quantized) @ dequant(w [N, K]).T -> [M, N] (Triton)."""
+    return linear(x, w, out_dtype)

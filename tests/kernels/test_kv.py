@@ -1,0 +1,48 @@
+"""Triton KV append (identical bytes in the record and the cache) and split-KV attention vs the sim."""
+
+import pytest
+import torch
+from trace_lightning.kernels.kv import kv_attention
+
+from trace_lightning import kernels, sim
+from trace_lightning.ops import FP4KVLayer
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter
+
+
+def cache_tensors(layer: FP4KVLayer) -> list[torch.Tensor]:
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+            for t in (layer.k_packed, layer.k_scales, layer.k_global, layer.v_packed, layer.v_scales, layer.v_global)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_append_bytes_match_sim(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    B, T, Hkv, S, Dh = 2, 5, 3, 9, 64
+    k, v = (torch.randn(2, B, T, Hkv, Dh, generator=gen) * 4).to(dtype).to(device)
+    k[0, 1, 2, 7] = float("nan")  # a non-finite row must stay NaN, in both backends
+    positions = torch.tensor([[0, 1, 2, 7, 8], [3, -1, 4, 5, 6]], device=device)
+    ours, theirs = FP4KVLayer.allocate(B, Hkv, S, Dh, device), FP4KVLayer.allocate(B, Hkv, S, Dh, device)
+    for a, b in zip(kernels.kv_append(ours, k, v, positions), sim.kv_append(theirs, k, v, positions), strict=True):
+        assert torch.equal(a.packed, b.packed) and torch.equal(a.scale_bytes(), b.scale_bytes())
+        assert torch.equal(a.global_scale.view(torch.int32), b.global_scale.view(torch.int32))
+    for a, b in zip(cache_tensors(ours), cache_tensors(theirs), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_attention_matches_sim(device: str, dtype: torch.dtype, splits: int | None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, S, Dh, T = 2, 8, 2, 150, 64, 2
+    layer = FP4KVLayer.allocate(B, Hkv, S, Dh, device)
+    k, v = torch.randn(2, B, S, Hkv, Dh, generator=gen).to(device)
+    sim.kv_append(layer, k, v, torch.arange(S, device=device).expand(B, S))
+    q = torch.randn(B, Hq, T, Dh, generator=gen).to(dtype).to(device)
+    q_pos = torch.tensor([[60, 61], [-1, 149]], device=device)
+    out = kv_attention(q, layer, q_pos, Dh**-0.5, splits)
+    ref = sim.fp4_kv_attention(q.float(), layer, q_pos, Dh**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert out[1, :, 0].eq(0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
