@@ -1,0 +1,100 @@
+"""KV caches behind the model's cache protocol: ``update(layer, k, v, positions) -> (k_all, v_all, allowed)``.
+
+Each row of the batch writes its keys at its own positions, so ragged prompts need no left padding: pad
+tokens of a right-padded prefill sit at positions the row's decode steps overwrite before any query of
+that row can see them (a query at position p attends to keys 0..p only). The engine sets ``visible``,
+a host-side bound on the positions written so far, so attention reads a growing window, not max_len.
+
+The FP4 cache stores NVFP4 rows per token-head (packed codes, E4M3 block scales, fp32 row global) in
+``ops.FP4KVLayer`` and quantizes through ``ops.kv_append``; MXFP4 rows are kept the same way in a
+position-indexed buffer. It returns the window dequantized in the compute dtype, which is numerically
+what fused attention over the packed cache computes. Boundary (bf16) layers keep a dense cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from trace_lightning.model.config import MoEConfig
+from trace_lightning.ops import FP4KVLayer
+from trace_lightning.quant import NVFP4, FP4Format
+from trace_lightning.rollout.capture import Recorder, RowBuffer, batch_rows, quantize_rows
+
+
+class KVCache:
+    """Dense cache in the compute dtype: per layer k, v [B, S, Hkv, Dh]."""
+
+    def __init__(self, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 layers: Iterable[int] | None = None) -> None:
+        self.config, self.batch, self.max_len, self.dtype = config, batch, max_len, dtype
+        self.visible = max_len
+        """Keys 0 .. visible-1 are returned (the engine keeps it >= 1 + the largest position written)."""
+        shape = (batch, max_len, config.n_kv_heads, config.head_dim)
+        dense = range(config.n_layers) if layers is None else layers
+        self.k: dict[int, Tensor] = {i: torch.zeros(shape, dtype=dtype, device=device) for i in dense}
+        self.v: dict[int, Tensor] = {i: torch.zeros(shape, dtype=dtype, device=device) for i in dense}
+
+    def allowed(self, positions: Tensor) -> Tensor:
+        """(B, T) query positions -> (B, T, visible) bool: key j is visible to a query at p iff j <= p."""
+        keys = torch.arange(self.visible, device=positions.device)
+        return keys <= positions[..., None]
+
+    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        rows, n = batch_rows(positions), self.visible
+        self.k[layer][rows, positions] = k.to(self.dtype)
+        self.v[layer][rows, positions] = v.to(self.dtype)
+        return self.k[layer][:, :n], self.v[layer][:, :n], self.allowed(positions)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+
+class FP4KVCache(KVCache):
+    """FP4 cache (NVFP4 through the ops backend, or MXFP4) for quantized layers, dense for boundary layers."""
+
+    def __init__(self, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 ops: ModuleType, fmt: FP4Format, recorder: Recorder | None = None) -> None:
+        fp4_layers = [i for i in range(config.n_layers) if config.is_quantized_layer(i)]
+        dense = [i for i in range(config.n_layers) if i not in fp4_layers]
+        super().__init__(config, batch, max_len, dtype, device, layers=dense)
+        self.ops, self.fmt, self.recorder = ops, fmt, recorder
+        if fmt.kind == "nvfp4":
+            self.layers: dict[int, FP4KVLayer] = {
+                i: FP4KVLayer.allocate(batch, config.n_kv_heads, max_len, config.head_dim, device=device)
+                for i in fp4_layers}
+        else:
+            self.mx: dict[int, tuple[RowBuffer, RowBuffer]] = {
+                i: (RowBuffer(batch, max_len), RowBuffer(batch, max_len)) for i in fp4_layers}
+
+    def update(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if layer in self.k:
+            return super().update(layer, k, v, positions)
+        n = self.visible
+        if self.fmt.kind == "nvfp4":
+            store = self.layers[layer]
+            qk, qv = self.ops.kv_append(store, k, v, positions)
+            k_all = NVFP4(store.k_packed[:, :, :n], store.k_scales[:, :, :n], store.k_global[:, :, :n])
+            v_all = NVFP4(store.v_packed[:, :, :n], store.v_scales[:, :, :n], store.v_global[:, :, :n])
+            k_all, v_all = k_all.dequantize(self.dtype).transpose(1, 2), v_all.dequantize(self.dtype).transpose(1, 2)
+        else:
+            kbuf, vbuf = self.mx[layer]
+            qk = quantize_rows(lambda x: self.ops.quantize_mxfp4(x, self.fmt.mx_mode), k)
+            qv = quantize_rows(lambda x: self.ops.quantize_mxfp4(x, self.fmt.mx_mode), v)
+            kbuf.write(qk, positions)
+            vbuf.write(qv, positions)
+            k_all, v_all = kbuf.window(n).dequantize(self.dtype), vbuf.window(n).dequantize(self.dtype)
+        if self.recorder is not None:
+            self.recorder.observe(qk, layer=layer, site="k")
+            self.recorder.observe(qv, layer=layer, site="v")
+        return k_all, v_all, self.allowed(positions)  # (B, n, Hkv, Dh) x2, (B, T, n)
+
+    def nbytes(self) -> int:
+        dense = super().nbytes()
+        if self.fmt.kind == "nvfp4":
+            return dense + sum(layer.nbytes() for layer in self.layers.values())
+        return dense + sum(t.numel() * t.element_size() for pair in self.mx.values() for buf in pair
+                           for t in buf.buffers.values())

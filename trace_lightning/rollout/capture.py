@@ -1,0 +1,166 @@
+"""FP4 activations on the rollout side, and the record of how they were rounded.
+
+The hook quantizes each site's input per row (row global scale, so a token never depends on its batch)
+and returns the dequantized values in the compute dtype: this is what the FP4 kernels compute with.
+When a (layer, site) is being recorded, the very BlockFP4 it used is written into a buffer indexed by
+token position, so right-padded prefill rows and later decode rows land where they belong and padding
+is overwritten by the real token at that position. K and V are not quantized here: the FP4 KV cache
+quantizes them as it stores them, and hands its bytes to the same recorder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trace_lightning.model.hooks import QuantHook
+from trace_lightning.quant import BlockFP4
+from trace_lightning.rollout.batch import CaptureSpec, SiteKey
+
+RowQuantizer = Callable[[Tensor], BlockFP4]
+KV_SITES = frozenset({"k", "v"})
+
+
+def batch_rows(positions: Tensor) -> Tensor:
+    """(B, T) positions -> (B, T) batch index of each, for writes at [row, position]."""
+    return torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+
+
+def reshape_rows(q: BlockFP4, lead: tuple[int, ...]) -> BlockFP4:
+    """View every tensor field of q [M, ...] as [*lead, ...]."""
+    changes = {f.name: v.reshape(*lead, *v.shape[1:]) for f in dataclasses.fields(q)
+               if isinstance(v := getattr(q, f.name), Tensor)}
+    return dataclasses.replace(q, **changes)
+
+
+def quantize_rows(quantize: RowQuantizer, x: Tensor) -> BlockFP4:
+    """Quantize x [..., K] as rows [M, K] (the kernels' layout) and give the result x's leading dims."""
+    return reshape_rows(quantize(x.reshape(-1, x.shape[-1])), tuple(x.shape[:-1]))
+
+
+class RowBuffer:
+    """BlockFP4 rows stored at token positions: every tensor field becomes a buffer [B, S, ...].
+
+    Allocated on the first write (from that tensor's field shapes); 1-byte float fields (E4M3 / E8M0
+    scales) are kept as their uint8 bit patterns so that indexed writes work on every device.
+    """
+
+    def __init__(self, batch: int, max_len: int) -> None:
+        self.batch, self.max_len = batch, max_len
+        self.template: BlockFP4 | None = None
+        self.buffers: dict[str, Tensor] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+
+    def _allocate(self, q: BlockFP4) -> None:
+        self.template = q
+        for f in dataclasses.fields(q):
+            t = getattr(q, f.name)
+            if isinstance(t, Tensor):
+                store = torch.uint8 if t.is_floating_point() and t.element_size() == 1 else t.dtype
+                self.buffers[f.name] = torch.zeros(self.batch, self.max_len, *t.shape[2:], dtype=store,
+                                                   device=t.device)
+                self.dtypes[f.name] = t.dtype
+
+    def write(self, q: BlockFP4, positions: Tensor) -> None:
+        """Store q (leading dims (B, T)) at positions (B, T)."""
+        if self.template is None:
+            self._allocate(q)
+        rows = batch_rows(positions)
+        for name, buf in self.buffers.items():
+            t = getattr(q, name)
+            buf[rows, positions] = t.view(buf.dtype) if t.dtype != buf.dtype else t
+
+    def _build(self, index: Any) -> BlockFP4:
+        assert self.template is not None, "nothing was written"
+        fields = {name: buf[index].view(self.dtypes[name]) for name, buf in self.buffers.items()}
+        return dataclasses.replace(self.template, **fields)
+
+    def window(self, n: int) -> BlockFP4:
+        """Positions 0..n-1 of every row, leading dims (B, n) (views, no copy)."""
+        return self._build((slice(None), slice(0, n)))
+
+    def take(self, b: int, n: int) -> BlockFP4:
+        """Row b's positions 0..n-1 as an independent BlockFP4 with leading dim n."""
+        q = self._build((b, slice(0, n)))
+        return dataclasses.replace(q, **{name: getattr(q, name).clone() for name in self.buffers})
+
+
+class Recorder:
+    """Collects the requested (layer, site) BlockFP4 rows and every layer's routes, by token position.
+
+    The engine sets ``positions`` (B, T) before each forward; the hook, the FP4 experts and the FP4 cache
+    call ``observe``.
+    """
+
+    def __init__(self, spec: CaptureSpec | None, layers: frozenset[int], batch: int, max_len: int,
+                 n_layers: int, top_k: int, device: torch.device) -> None:
+        self.spec = spec
+        self.sites = spec.site_set() if spec is not None else frozenset()
+        self.layers = layers
+        self.batch, self.max_len = batch, max_len
+        self.positions: Tensor | None = None
+        self.buffers: dict[SiteKey, RowBuffer] = {}
+        self.routes = torch.zeros(n_layers, batch, max_len, top_k, dtype=torch.int64, device=device)
+
+    def wants(self, layer: int, site: str) -> bool:
+        return layer in self.layers and site in self.sites
+
+    def observe(self, q: BlockFP4, *, layer: int, site: str) -> None:
+        """Keep q (leading dims (B, T) of the current forward) if (layer, site) is recorded."""
+        if not self.wants(layer, site):
+            return
+        assert self.positions is not None, "set Recorder.positions before the forward"
+        if (layer, site) not in self.buffers:
+            self.buffers[(layer, site)] = RowBuffer(self.batch, self.max_len)
+        self.buffers[(layer, site)].write(q, self.positions)
+
+    def observe_routes(self, routes: list[Tensor]) -> None:
+        """Per layer (B, T, K) expert ids of the current forward."""
+        assert self.positions is not None, "set Recorder.positions before the forward"
+        self.routes[:, batch_rows(self.positions), self.positions] = torch.stack(routes)
+
+    def sequence_routes(self, lengths: list[int]) -> list[Tensor]:
+        """Per sequence int64 [L, n_b, K] for record lengths n_b, on the CPU."""
+        routes = self.routes.cpu()
+        return [routes[:, b, :n].clone() for b, n in enumerate(lengths)]
+
+    def sequence_captures(self, lengths: list[int]) -> list[dict[SiteKey, BlockFP4]]:
+        """Per sequence {(layer, site): BlockFP4 with leading dim n_b}, on the CPU."""
+        out: list[dict[SiteKey, BlockFP4]] = [{} for _ in lengths]
+        for key in sorted(self.buffers):
+            buf = self.buffers[key]
+            for b, n in enumerate(lengths):
+                q = buf.take(b, n)
+                out[b][key] = dataclasses.replace(q, **{name: getattr(q, name).cpu() for name in buf.buffers})
+        return out
+
+
+class FP4ActivationHook(QuantHook):
+    """Rollout-side FP4 activations: per-row quantize, record if asked, return dequantized compute-dtype values.
+
+    Sites in ``passthrough`` (k and v: the FP4 cache quantizes those) are returned unchanged. Weights are
+    left alone here: the FP4 converter has already replaced the modules that hold them.
+    """
+
+    def __init__(self, quantize: RowQuantizer, recorder: Recorder | None = None,
+                 passthrough: frozenset[str] = KV_SITES) -> None:
+        self.quantize, self.recorder, self.passthrough = quantize, recorder, passthrough
+
+    def quantizes(self, site: str) -> bool:
+        return site not in self.passthrough
+
+    def observe(self, q: BlockFP4, *, layer: int, site: str) -> None:
+        """Record a tensor that a fused op quantized on its own (e.g. fp4_moe's moe_down)."""
+        if self.recorder is not None:
+            self.recorder.observe(q, layer=layer, site=site)
+
+    def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
+        if site in self.passthrough:
+            return x
+        q = quantize_rows(self.quantize, x)
+        self.observe(q, layer=layer, site=site)
+        return q.dequantize(x.dtype)

@@ -1,0 +1,234 @@
+"""The embedded rollout engine: batched prefill + decode with FP4 weights, activations and KV cache.
+
+Small and explicit like gpt-fast's generate.py: ``prefill`` runs the right-padded prompts once with per-row
+positions, ``decode_one_token`` feeds each row's last token at its own next position, and ``sample`` draws
+on the device, so the loop only syncs with the host every ``sync_every`` steps to see whether all rows
+are done. Rows finish independently; a finished row keeps running (its outputs are ignored) with its
+position frozen at its last slot, so it never writes outside its own budget.
+
+The engine owns the model it is given: it converts it in place (FP4 modules, compute dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+
+import torch
+from torch import Tensor, nn
+
+from trace_lightning.model.model import ModelOutput
+from trace_lightning.ops import backend_for
+from trace_lightning.rollout.batch import CaptureSpec, FinishReason, RolloutBatch, SamplingParams
+from trace_lightning.rollout.cache import FP4KVCache, KVCache
+from trace_lightning.rollout.capture import FP4ActivationHook, Recorder, RowQuantizer
+from trace_lightning.rollout.convert import (
+    FP4Module,
+    check_weight_checksums,
+    convert_to_fp4,
+    fp4_checksum,
+    fp4_weight_checksums,
+)
+from trace_lightning.rollout.precision import FP4Precision, resolve_precision
+from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
+
+
+class Engine:
+    """Generates from ``model`` at ``precision`` ("fp32", "bf16" or an FP4Precision) on the model's device."""
+
+    def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
+                 sync_every: int = 8) -> None:
+        self.compute_dtype, self.fp4 = resolve_precision(precision)
+        self.precision = precision
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.ops: ModuleType = backend_for(self.device, backend)
+        self.sync_every = max(1, sync_every)
+        self.policy_version = 0
+        model.eval().requires_grad_(False)
+        self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
+        with torch.no_grad():
+            if self.fp4 is not None and self.fp4.weights:  # quantize the master weights before any cast
+                self._fp4_weights = convert_to_fp4(model, self.fp4.weight_format, self.ops, self.compute_dtype)
+            for p in model.parameters():
+                p.data = p.data.to(self.compute_dtype)
+        self._dense: dict[str, Tensor] = dict(model.state_dict(keep_vars=True))
+        self.model = model
+
+    # ---- generation --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 capture: CaptureSpec | None = None) -> RolloutBatch:
+        """Sample a response per prompt; see RolloutBatch for what comes back and how rows align."""
+        max_new, seeds = self._validate(prompts, params)
+        c, B, dev = self.config, len(prompts), self.device
+        lens = [len(p) for p in prompts]
+        P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
+        recorder = Recorder(capture, self._capture_layers(capture), B, S, c.n_layers, c.top_k, dev)
+        hook, cache = self._hook(recorder if capture else None), self._cache(B, S, recorder if capture else None)
+        keys, lens_t = seed_keys(seeds, dev), torch.tensor(lens, device=dev)
+        max_new_t, last_pos = torch.tensor(max_new, device=dev), torch.tensor(lens, device=dev) + torch.tensor(
+            max_new, device=dev) - 1
+        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=dev)
+        draw = functools.partial(sample, keys=keys, temperature=params.temperature, top_k=params.top_k,
+                                 top_p=params.top_p)
+        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(B, N, dtype=torch.float32, device=dev)
+
+        start = time.perf_counter()
+        tok, lp = draw(self.prefill(prompts, cache, hook, recorder), step=0)
+        tokens[:, 0], logprobs[:, 0] = tok, lp
+        done = torch.isin(tok, stop) | (max_new_t <= 1)
+        prefill_s, steps = time.perf_counter() - start, 1
+        for i in range(1, N):
+            if i % self.sync_every == 0 and bool(done.all()):
+                break
+            positions = torch.minimum(lens_t + (i - 1), last_pos)[:, None]  # (B, 1); frozen once a row is full
+            cache.visible = min(P + i, S)
+            tok, lp = draw(self.decode_one_token(tok[:, None], positions, cache, hook, recorder), step=i)
+            tokens[:, i], logprobs[:, i] = tok, lp
+            done = done | torch.isin(tok, stop) | (max_new_t <= i + 1)
+            steps += 1
+        out = self._collect(prompts, max_new, tokens, logprobs, params, recorder, capture)
+        out.stats = {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
+                     "decode_steps": float(steps), "new_tokens": float(sum(len(r) for r in out.responses))}
+        return out
+
+    def prefill(self, prompts: list[list[int]], cache: KVCache, hook: FP4ActivationHook | None,
+                recorder: Recorder) -> Tensor:
+        """Right-padded prompts in one forward -> logits (B, V) at each prompt's last token."""
+        B, P = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, P, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        positions = torch.arange(P, device=self.device).expand(B, P)
+        cache.visible = P
+        logits = self._forward(ids, positions, cache, hook, recorder)  # (B, P, V)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        return logits[torch.arange(B, device=self.device), last]
+
+    def decode_one_token(self, tokens: Tensor, positions: Tensor, cache: KVCache, hook: FP4ActivationHook | None,
+                         recorder: Recorder) -> Tensor:
+        """tokens, positions (B, 1) -> next-token logits (B, V)."""
+        return self._forward(tokens, positions, cache, hook, recorder)[:, -1]
+
+    def _forward(self, ids: Tensor, positions: Tensor, cache: KVCache, hook: FP4ActivationHook | None,
+                 recorder: Recorder) -> Tensor:
+        recorder.positions = positions
+        out: ModelOutput = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True)
+        recorder.observe_routes(out.routes)
+        return out.logits
+
+    # ---- pieces of a generate call -----------------------------------------------------------------
+    def _quantizer(self) -> RowQuantizer:
+        assert self.fp4 is not None
+        if self.fp4.fmt == "mxfp4":
+            return functools.partial(self.ops.quantize_mxfp4, mode=self.fp4.mx_mode)
+        return self.ops.quantize_nvfp4_rows
+
+    def _hook(self, recorder: Recorder | None) -> FP4ActivationHook | None:
+        if self.fp4 is None or not self.fp4.activations:
+            return None
+        return FP4ActivationHook(self._quantizer(), recorder)
+
+    def _cache(self, batch: int, max_len: int, recorder: Recorder | None) -> KVCache:
+        c, dtype = self.config, self.compute_dtype
+        if self.fp4 is None or not self.fp4.kv:
+            return KVCache(c, batch, max_len, dtype, self.device)
+        return FP4KVCache(c, batch, max_len, dtype, self.device, self.ops, self.fp4.activation_format, recorder)
+
+    def _capture_layers(self, capture: CaptureSpec | None) -> frozenset[int]:
+        if capture is None:
+            return frozenset()
+        if self.fp4 is None or not (self.fp4.activations or self.fp4.kv):
+            raise ValueError(f"capture needs FP4 activations or an FP4 KV cache; precision is {self.precision!r}")
+        return frozenset(i for i in capture.layer_set(self.config.n_layers) if self.config.is_quantized_layer(i))
+
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[int], list[int]]:
+        """Per-prompt max_new_tokens and seeds; every bad input is a ValueError naming its prompt."""
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        n, V, S = len(prompts), self.config.vocab_size, self.config.max_seq_len
+        max_new = _per_prompt(params.max_new_tokens, n, "max_new_tokens")
+        seeds = sequence_seeds(params.seed, n) if isinstance(params.seed, int) else _per_prompt(params.seed, n, "seed")
+        for t in params.stop_token_ids:
+            if not 0 <= t < V:
+                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {V})")
+        for i, (p, m) in enumerate(zip(prompts, max_new, strict=True)):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if m < 1:
+                raise ValueError(f"prompt {i}: max_new_tokens must be >= 1, got {m}")
+            bad = next((j for j, t in enumerate(p) if not isinstance(t, int) or not 0 <= t < V), None)
+            if bad is not None:
+                raise ValueError(f"prompt {i}: token {p[bad]!r} at position {bad} is not an id in [0, {V})")
+            if len(p) + m > S:
+                raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {m} new tokens exceed the model's "
+                                 f"max_seq_len {S}")
+        return max_new, seeds
+
+    def _collect(self, prompts: list[list[int]], max_new: list[int], tokens: Tensor, logprobs: Tensor,
+                 params: SamplingParams, recorder: Recorder, capture: CaptureSpec | None) -> RolloutBatch:
+        """One host transfer: cut each row at its first stop token or at its max_new_tokens."""
+        stop, toks, lps = set(params.stop_token_ids), tokens.cpu().tolist(), logprobs.cpu().tolist()
+        responses, out_lps, reasons = [], [], []
+        for row, lp, m in zip(toks, lps, max_new, strict=True):
+            end = next((j + 1 for j, t in enumerate(row[:m]) if t in stop), None)
+            reason: FinishReason = "length" if end is None else "stop"
+            end = m if end is None else end
+            responses.append(row[:end])
+            out_lps.append(lp[:end])
+            reasons.append(reason)
+        lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]
+        return RolloutBatch(
+            prompts=[list(p) for p in prompts], responses=responses, logprobs=out_lps, finish_reasons=reasons,
+            policy_version=self.policy_version, routes=recorder.sequence_routes(lengths),
+            captures=recorder.sequence_captures(lengths) if capture is not None else None, capture=capture,
+        )
+
+    # ---- weight sync ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Mapping[str, Tensor], version: int) -> None:
+        """Load master weights by name (any subset of the model's state dict), re-quantizing the FP4 ones
+        from exactly the tensors given; then set the policy version. Checked in full before anything changes."""
+        for name, t in named_tensors.items():
+            if name in self._fp4_weights:
+                module, key = self._fp4_weights[name]
+                shape = tuple(module.quantized()[key].shape)
+            elif name in self._dense:
+                shape = tuple(self._dense[name].shape)
+            else:
+                raise ValueError(f"update_weights: unknown tensor {name!r}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        for name, t in named_tensors.items():
+            if name in self._fp4_weights:
+                module, key = self._fp4_weights[name]
+                module.set_weight(key, t.detach().to(self.device))
+            else:
+                self._dense[name].copy_(t.detach().to(self.device, self.compute_dtype))
+        self.policy_version = int(version)
+
+    def weight_checksums(self) -> dict[str, str]:
+        """{name: sha256 of the FP4 bytes the engine computes with} for every FP4 weight."""
+        return {name: fp4_checksum(module.quantized()[key]) for name, (module, key) in self._fp4_weights.items()}
+
+    def verify_weights(self, named_tensors: Mapping[str, Tensor]) -> None:
+        """Audit: raise WeightChecksumError naming every FP4 weight whose bytes differ from quantizing
+        ``named_tensors`` (the trainer's master weights) the trainer's way."""
+        if self.fp4 is None or not self.fp4.weights:
+            return
+        expected = fp4_weight_checksums(named_tensors, self.fp4.weight_format, config=self.config)
+        check_weight_checksums(expected, self.weight_checksums())
+
+
+def _per_prompt(value: int | Sequence[int], n: int, what: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{what} has {len(values)} values for {n} prompts")
+    return values
