@@ -1,0 +1,160 @@
+"""Fused FP4 MoE: token-expert pairs sorted by expert, one launch for gate/up (+SiLU-mul), one for down.
+
+Pairs are grouped by expert into tiles of BLOCK_M rows (each expert's run padded to a multiple of
+BLOCK_M, vLLM-style), entirely with device ops, so there is no host sync and the step can be captured in
+a CUDA graph. A tile reads only its expert's packed weights, so untouched experts cost nothing. The
+`moe_down` activation is quantized per pair row (its row global needs the whole row, hence a separate
+launch between the two GEMMs) and the down GEMM dequantizes it in registers; per-row globals of both
+operands are applied to the float32 accumulator. Slots are summed by a deterministic reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from trace_lightning.kernels._common import dot_precision, mma_dtype, scale_bytes, sm_count
+from trace_lightning.kernels._fp4 import dequant_tile
+from trace_lightning.kernels.linear import weight_row_globals
+from trace_lightning.kernels.quantize import quantize_nvfp4_rows
+
+from trace_lightning.quant import NVFP4
+
+
+def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, int]:
+    """Sort (token, slot) pairs by expert into tiles: sorted pair ids [blocks * block_m] (padding = P) and
+    each tile's expert [blocks] (== experts past the last tile). No host sync: `blocks` is an upper bound."""
+    flat = topk_ids.reshape(-1)
+    P = flat.numel()
+    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    e_sorted = flat[order]
+    rank = torch.arange(P, device=flat.device) - (counts.cumsum(0) - counts)[e_sorted]
+    blocks = triton.cdiv(P, block_m) + min(experts, P)
+    sorted_ids = torch.full((blocks * block_m,), P, dtype=torch.int64, device=flat.device)
+    sorted_ids[(pad_end - padded)[e_sorted] + rank] = order
+    starts = torch.arange(blocks, device=flat.device) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
+    return sorted_ids, block_expert, blocks
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOPK, E, D, I,
+                    DTYPE: tl.constexpr, PREC: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m)
+    live = e < E
+    e = tl.where(live, e, 0).to(tl.int64)
+    rows = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < P  # tiles past the last expert hold only padding ids (== P)
+    tok = tl.where(valid, rows // TOPK, 0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < I
+    gate_rows = e * 2 * I + rn
+    up_rows = gate_rows + I
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_end = tl.where(live, D, 0)
+    for k0 in range(0, k_end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=valid[:, None] & (rk[None, :] < D), other=0.0)
+        x = x.to(DTYPE)
+        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        pm = nmask[:, None] & (hk[None, :] < D // 2)
+        sm = nmask[:, None] & (sk[None, :] < D // 16)
+        wg = dequant_tile(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
+                          tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
+                          BLOCK_N, BLOCK_K, DTYPE)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
+        wu = dequant_tile(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
+                          tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
+                          BLOCK_N, BLOCK_K, DTYPE)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
+    gate = acc_g * tl.load(g_ptr + gate_rows, mask=nmask, other=0.0)[None, :]
+    up = acc_u * tl.load(g_ptr + up_rows, mask=nmask, other=0.0)[None, :]
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(h_ptr + rows[:, None] * I + rn[None, :], h, mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, y_ptr, P, E, D, I,
+                 QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m)
+    live = e < E
+    e = tl.where(live, e, 0).to(tl.int64)
+    rows = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < P  # tiles past the last expert hold only padding ids (== P)
+    safe = tl.where(valid, rows, 0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < D
+    w_rows = e * D + rn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_end = tl.where(live, I, 0)
+    for k0 in range(0, k_end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        if QUANT_A:
+            a = dequant_tile(
+                tl.load(a_ptr + safe[:, None] * (I // 2) + hk[None, :], mask=valid[:, None] & (hk[None, :] < I // 2),
+                        other=0),
+                tl.load(as_ptr + safe[:, None] * (I // 16) + sk[None, :],
+                        mask=valid[:, None] & (sk[None, :] < I // 16), other=0),
+                BLOCK_M, BLOCK_K, DTYPE)
+        else:
+            a = tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=valid[:, None] & (rk[None, :] < I),
+                        other=0.0).to(DTYPE)
+        w = dequant_tile(
+            tl.load(w_ptr + w_rows[:, None] * (I // 2) + hk[None, :], mask=nmask[:, None] & (hk[None, :] < I // 2),
+                    other=0),
+            tl.load(s_ptr + w_rows[:, None] * (I // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < I // 16),
+                    other=0),
+            BLOCK_N, BLOCK_K, DTYPE)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+    row_scale = tl.load(tw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
+    if QUANT_A:
+        row_scale = tl.load(ag_ptr + safe, mask=valid, other=0.0) * row_scale
+    y = acc * tl.load(g_ptr + w_rows, mask=nmask, other=0.0)[None, :] * row_scale[:, None]
+    tl.store(y_ptr + rows[:, None] * D + rn[None, :], y, mask=valid[:, None] & nmask[None, :])
+
+
+def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): BLOCK_M near the mean pairs per expert; narrower N tiles when there are few tiles."""
+    block_m = min(64, max(16, triton.next_power_of_2(max(1, pairs // experts))))
+    tiles = (triton.cdiv(pairs, block_m) + min(experts, pairs)) * triton.cdiv(blocks_n, 64)
+    return block_m, 32 if tiles < 2 * sm_count(device) else 64
+
+
+def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Tensor,
+            quantize_intermediate: bool = True) -> tuple[Tensor, NVFP4 | None]:
+    """x [N, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I] -> (out [N, D], moe_down NVFP4
+    [N, k, I] or None); only experts some token picked are read (Triton)."""
+    from trace_lightning.sim.moe import check_moe_args
+
+    E, I, k = check_moe_args(x, w13, w2, topk_ids, topk_weights)
+    N, D = x.shape
+    P = N * k
+    dev = x.device
+    dt, prec = mma_dtype(x.dtype, dev), dot_precision(x.dtype, dev)
+    block_m, block_n = moe_config(P, E, I, dev)
+    sorted_ids, block_expert, blocks = align_pairs(topk_ids.to(torch.int64), E, block_m)
+    h = torch.empty(P, I, dtype=torch.float32, device=dev)
+    _gate_up_kernel[(blocks, triton.cdiv(I, block_n))](
+        x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
+        weight_row_globals(w13), h, P, k, E, D, I, dt, prec, block_m, block_n, 128, num_warps=4, num_stages=3)
+    q = quantize_nvfp4_rows(h.view(N, k, I)) if quantize_intermediate else None
+    y = torch.empty(P, D, dtype=torch.float32, device=dev)
+    a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
+    block_nd = moe_config(P, E, D, dev)[1]
+    _down_kernel[(blocks, triton.cdiv(D, block_nd))](
+        *a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
+        scale_bytes(w2.scales).contiguous(), weight_row_globals(w2), y, P, E, D, I, q is not None, dt, prec,
+        block_m, block_nd, 128, num_warps=4, num_stages=3)
+    return y.view(N, k, D).sum(dim=1).to(x.dtype), q
