@@ -1,0 +1,201 @@
+"""Training-side quantization hooks: plain fake-quant (the ``fp4_qat`` baseline) and rollout-guided fake-quant.
+
+The guided hook makes the training forward round every recorded activation to the rollout's FP4 code
+with the rollout's scales (DESIGN.md section 5), so the policy being trained sees the numbers the
+rollout sampled with. Sites without a record, and padded positions, fall back to plain round-to-nearest
+with training's own scales. Weights are always fake-quantized per matrix (``fmt.for_weights()``), the
+same quantizer the rollout engine applies to the synced weights, so weight codes agree by construction.
+Both hooks can audit themselves against full records: how often training's own RNE codes, and the
+values it actually used, agree with the rollout's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trace_lightning.guidance.record import BatchRecord, format_name
+from trace_lightning.model import QuantHook
+from trace_lightning.quant import BlockFP4, FP4Format, fake_quantize, parse_format, quantize_nvfp4, tensor_global_scale
+from trace_lightning.quant.guided import check_guidance_mode
+
+
+class NonFiniteActivationError(RuntimeError):
+    """An activation reaching a quantization site holds NaN or inf (the trainer adds the step)."""
+
+    layer: int | None = None
+    site: str | None = None
+
+    @classmethod
+    def at(cls, layer: int, site: str) -> NonFiniteActivationError:
+        err = cls(f"non-finite activation at layer {layer}, site {site}")
+        err.layer, err.site = layer, site
+        return err
+
+
+@dataclass
+class SiteAgreement:
+    """Element counts of one site's audit against the rollout's full record."""
+
+    elements: int = 0
+    code_equal: int = 0
+    """Training's own RNE codes equal to the rollout's (codes 0 and 8, +-0, count as equal)."""
+    value_equal: int = 0
+    """Values the training forward used equal to the rollout's dequantized values (+0 == -0, NaN never)."""
+
+    @property
+    def code_agreement(self) -> float:
+        return self.code_equal / max(self.elements, 1)
+
+    @property
+    def value_agreement(self) -> float:
+        return self.value_equal / max(self.elements, 1)
+
+
+def quantize_weight(w: Tensor, fmt: FP4Format | str) -> BlockFP4:
+    """FP4 of a weight [N, K] or stacked experts [E, N, K]: one NVFP4 global scale per matrix (per expert).
+
+    The rollout converter's quantizer; FP4Format.for_weights().quantize gives stacked experts a global scale
+    of shape [E, 1], which does not broadcast over [E, N, K], so the per-expert scale is shaped here.
+    """
+    fmt = parse_format(fmt).for_weights()
+    if fmt.kind == "mxfp4" or w.dim() < 3:
+        return fmt.quantize(w)
+    g = tensor_global_scale(w, dims=2)
+    return quantize_nvfp4(w, g.reshape(*w.shape[:-2], 1, 1))
+
+
+def _expand_mask(mask: Tensor, x: Tensor) -> Tensor:
+    """(B, T) -> x's shape."""
+    return mask.reshape(*mask.shape, *([1] * (x.dim() - mask.dim()))).expand(x.shape)
+
+
+def _check_leading(x: Tensor, mask: Tensor, layer: int, site: str) -> None:
+    if tuple(x.shape[:2]) != tuple(mask.shape):
+        raise ValueError(f"layer {layer} site {site}: activation of shape {tuple(x.shape)} does not match "
+                         f"the record's (B, T) = {tuple(mask.shape)}")
+
+
+class _FP4TrainHook(QuantHook):
+    """Shared by both hooks: weight fake-quant, the finite check and the optional audit."""
+
+    def __init__(self, fmt: FP4Format | str, audit: BatchRecord | None = None,
+                 valid_mask: Tensor | None = None) -> None:
+        self.fmt = parse_format(fmt)
+        self.weight_fmt = self.fmt.for_weights()
+        self.valid_mask = None if valid_mask is None else valid_mask.bool()
+        if audit is not None and audit.mode != "full":
+            raise ValueError("auditing code agreement needs a full record; parity records do not hold the codes")
+        if audit is not None and audit.fmt != self.fmt:
+            raise ValueError(f"audit record is {format_name(audit.fmt)}, training uses {format_name(self.fmt)}")
+        self.audit_record = audit
+        self.agreement: dict[tuple[int, str], SiteAgreement] = {}
+        """Audit counts per (layer, site), filled during the forward when an audit record is given."""
+
+    def weight(self, w: Tensor, *, layer: int, name: str) -> Tensor:
+        # Rounding to the per-matrix quantization's own codes is plain RNE fake-quant, with its STE gradient.
+        return fake_quantize(w, self.weight_fmt, quantize_weight(w.detach(), self.weight_fmt), "full")
+
+    @staticmethod
+    def check_finite(x: Tensor, layer: int, site: str) -> None:
+        if not bool(torch.isfinite(x).all()):
+            raise NonFiniteActivationError.at(layer, site)
+
+    def _mask(self, record: BatchRecord, x: Tensor, layer: int, site: str) -> Tensor:
+        """Positions where `record` may be used: recorded and (if given) real tokens."""
+        _check_leading(x, record.valid, layer, site)
+        valid = record.valid
+        return valid if self.valid_mask is None else valid & self.valid_mask.to(x.device)
+
+    @torch.no_grad()
+    def _audit(self, x: Tensor, out: Tensor, layer: int, site: str) -> None:
+        if self.audit_record is None or not self.audit_record.has(layer, site):
+            return
+        self.audit_record = self.audit_record.to(x.device)
+        mask = _expand_mask(self._mask(self.audit_record, x, layer, site), x)
+        ref = self.audit_record.ref(layer, site)
+        own, theirs = self.fmt.quantize(x).codes(), ref.codes()
+        code_eq = (own == theirs) | (((own & 7) == 0) & ((theirs & 7) == 0))
+        value_eq = out == ref.dequantize(out.dtype)
+        stats = self.agreement.setdefault((layer, site), SiteAgreement())
+        stats.elements += int(mask.sum())
+        stats.code_equal += int((code_eq & mask).sum())
+        stats.value_equal += int((value_eq & mask).sum())
+
+    def layer_agreement(self) -> dict[int, float]:
+        """Code agreement per layer over all its audited elements (input of rank_layers_by_mismatch)."""
+        totals: dict[int, SiteAgreement] = {}
+        for (layer, _), s in self.agreement.items():
+            t = totals.setdefault(layer, SiteAgreement())
+            t.elements, t.code_equal, t.value_equal = (t.elements + s.elements, t.code_equal + s.code_equal,
+                                                       t.value_equal + s.value_equal)
+        return {layer: t.code_agreement for layer, t in sorted(totals.items())}
+
+    def metrics(self) -> dict[str, float]:
+        """``quant/{code,value}_agreement`` overall and per ``layer{l}/{site}``; empty without an audit."""
+        if not self.agreement:
+            return {}
+        out: dict[str, float] = {}
+        total = SiteAgreement()
+        for (layer, site), s in sorted(self.agreement.items()):
+            out[f"quant/code_agreement/layer{layer}/{site}"] = s.code_agreement
+            out[f"quant/value_agreement/layer{layer}/{site}"] = s.value_agreement
+            total.elements += s.elements
+            total.code_equal += s.code_equal
+            total.value_equal += s.value_equal
+        out["quant/code_agreement"] = total.code_agreement
+        out["quant/value_agreement"] = total.value_agreement
+        return out
+
+
+class FakeQuantHook(_FP4TrainHook):
+    """Plain RNE fake-quant with training's own scales at every site and weight (the ``fp4_qat`` baseline)."""
+
+    def __init__(self, fmt: FP4Format | str, *, audit: BatchRecord | None = None,
+                 valid_mask: Tensor | None = None) -> None:
+        super().__init__(fmt, audit, valid_mask)
+
+    def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
+        self.check_finite(x, layer, site)
+        out = fake_quantize(x, self.fmt)
+        self._audit(x.detach(), out.detach(), layer, site)
+        return out
+
+
+class GuidedHook(_FP4TrainHook):
+    """Rounds recorded sites to the rollout's codes (full) or to codes of the rollout's parity (parity).
+
+    batch_record: the collated records of the minibatch, (B, T) like the training input. mode: "full" or
+    "parity" (default: the record's). valid_mask: (B, T) real-token mask of the training input. audit: a
+    full BatchRecord to audit against, or True to audit against batch_record itself (full records only).
+    """
+
+    def __init__(self, fmt: FP4Format | str, batch_record: BatchRecord, mode: str | None = None,
+                 valid_mask: Tensor | None = None, *, audit: bool | BatchRecord = False) -> None:
+        self.mode = check_guidance_mode(mode or batch_record.mode)
+        if self.mode == "full" and batch_record.mode == "parity":
+            raise ValueError("guidance mode 'full' needs full records, the batch record holds parity bits only")
+        if audit is True and batch_record.mode != "full":
+            raise ValueError("audit=True needs a full batch record; pass the full audit BatchRecord instead")
+        super().__init__(fmt, batch_record if audit is True else audit or None, valid_mask)
+        if batch_record.fmt != self.fmt:
+            raise ValueError(f"batch record is {format_name(batch_record.fmt)}, training uses {format_name(self.fmt)}")
+        if valid_mask is not None and tuple(valid_mask.shape) != tuple(batch_record.valid.shape):
+            raise ValueError(f"valid_mask of shape {tuple(valid_mask.shape)} does not match the record's "
+                             f"(B, T) = {tuple(batch_record.valid.shape)}")
+        self.record = batch_record
+
+    def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
+        self.check_finite(x, layer, site)
+        self.record = self.record.to(x.device)
+        if not self.record.has(layer, site):
+            out = fake_quantize(x, self.fmt)
+        else:
+            valid = self._mask(self.record, x, layer, site)
+            out = fake_quantize(x, self.fmt, self.record.ref(layer, site), self.mode)
+            if not bool(valid.all()):
+                out = torch.where(_expand_mask(valid, x), out, fake_quantize(x, self.fmt))
+        self._audit(x.detach(), out.detach(), layer, site)
+        return out

@@ -1,0 +1,336 @@
+"""QuantRecord: how one rollout sequence rounded every recorded activation to FP4 (DESIGN.md section 4).
+
+The training side must never recompute a recorded site's scales, so a record keeps them exactly (the
+row global scale in fp32 and the block scales as their bytes) and, per element, either the full E2M1
+code (mode ``full``, 4 bits) or only its mantissa bit (mode ``parity``, 1 bit, packed 8 per byte),
+which guided rounding needs to land on the rollout's code. Rows are aligned with the token positions
+of prompt + response, so a record is a set of tensors with a leading time dim T; a ``BatchRecord``
+stacks records into (B, T, ...) for a training minibatch and marks which positions are real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from trace_lightning.quant import MXFP4, NVFP4, BlockFP4, FP4Format, pack_fp4, unpack_fp4
+from trace_lightning.quant.guided import check_guidance_mode
+
+SiteKey = tuple[int, str]
+
+# Block-scale bytes that decode to exactly 1.0: padded rows dequantize to finite zeros, never NaN.
+_ONE_SCALE_BYTE = {"nvfp4": 0x38, "mxfp4": 127}
+_ELEMS_PER_BYTE = {"full": 2, "parity": 8}
+_BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
+
+
+def pack_bits(bits: Tensor) -> Tensor:
+    """Pack 0/1 values [..., K] (K % 8 == 0) into uint8 [..., K/8], element i at bit i % 8 of byte i // 8."""
+    if bits.shape[-1] % 8:
+        raise ValueError(f"last dim must be a multiple of 8 to pack bits, got shape {tuple(bits.shape)}")
+    groups = bits.to(torch.int32).reshape(*bits.shape[:-1], -1, 8)
+    return (groups * _BIT_WEIGHTS.to(bits.device)).sum(dim=-1).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor) -> Tensor:
+    """Inverse of pack_bits: uint8 [..., K/8] -> uint8 0/1 values [..., K]."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+def format_of(q: BlockFP4) -> FP4Format:
+    """The activation format a captured tensor was quantized in (row global scale or none for NVFP4)."""
+    if isinstance(q, MXFP4):
+        return FP4Format("mxfp4", mx_mode=q.mode)
+    if isinstance(q, NVFP4):
+        return FP4Format("nvfp4", global_scale="none" if q.global_scale is None else "row")
+    raise ValueError(f"captures must be NVFP4 or MXFP4 tensors, got {type(q).__name__}")
+
+
+def format_name(fmt: FP4Format) -> str:
+    """Short name parse_format reads back: "nvfp4", "nvfp4:none", "mxfp4:floor", "mxfp4:rceil"."""
+    if fmt.kind == "mxfp4":
+        return f"mxfp4:{fmt.mx_mode}"
+    return "nvfp4" if fmt.global_scale == "row" else f"nvfp4:{fmt.global_scale}"
+
+
+@dataclass
+class SiteRecord:
+    """One site's record: tensors with leading dims `lead` (T for a sequence, (B, T) for a batch) then rows.
+
+    Every tensor is kept in its compact storage dtype; `ref` rebuilds the BlockFP4 guided rounding reads.
+    """
+
+    scale_bytes: Tensor
+    """uint8 [*lead, *rows, K/block]: the block scales' bit patterns."""
+    payload: Tensor
+    """uint8: packed codes [*lead, *rows, K/2] (full) or packed parity bits [*lead, *rows, K/8] (parity)."""
+    global_scale: Tensor | None = None
+    """float32 [*lead, *rows, 1]: NVFP4 row global scales; None for MXFP4 and NVFP4 without a global scale."""
+
+    @classmethod
+    def from_blocks(cls, q: BlockFP4, mode: str) -> SiteRecord:
+        codes = q.packed if mode == "full" else pack_bits(q.codes() & 1)
+        g = q.global_scale if isinstance(q, NVFP4) else None
+        return cls(q.scale_bytes().clone(), codes.clone(), None if g is None else g.float().clone())
+
+    def tensors(self) -> dict[str, Tensor]:
+        out = {"scales": self.scale_bytes, "payload": self.payload}
+        return out if self.global_scale is None else {**out, "global_scale": self.global_scale}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors().values())
+
+    def num_elements(self, mode: str) -> int:
+        """Elements per row (K) implied by the payload."""
+        return self.payload.shape[-1] * _ELEMS_PER_BYTE[mode]
+
+    def check(self, fmt: FP4Format, mode: str, lead: tuple[int, ...], what: str) -> None:
+        """Raise ValueError unless dtypes and shapes are consistent with each other, fmt, mode and lead."""
+        for name, t in self.tensors().items():
+            expected = torch.float32 if name == "global_scale" else torch.uint8
+            if t.dtype != expected:
+                raise ValueError(f"{what}: {name} has dtype {t.dtype}, expected {expected}")
+        rows = tuple(self.payload.shape[:-1])
+        if rows[: len(lead)] != lead or self.payload.dim() <= len(lead):
+            raise ValueError(f"{what}: payload shape {tuple(self.payload.shape)} does not start with length {lead}")
+        k = self.num_elements(mode)
+        if k % fmt.block_size or tuple(self.scale_bytes.shape) != (*rows, k // fmt.block_size):
+            raise ValueError(f"{what}: block scales of shape {tuple(self.scale_bytes.shape)} do not match "
+                             f"{mode} payload of shape {tuple(self.payload.shape)} ({k} elements per row, "
+                             f"blocks of {fmt.block_size})")
+        has_global = fmt.kind == "nvfp4" and fmt.global_scale != "none"
+        if has_global != (self.global_scale is not None):
+            need = "needs" if has_global else "has no"
+            raise ValueError(f"{what}: format {format_name(fmt)} {need} row global scales")
+        if self.global_scale is not None and tuple(self.global_scale.shape) != (*rows, 1):
+            raise ValueError(f"{what}: global scales of shape {tuple(self.global_scale.shape)}, expected {(*rows, 1)}")
+
+    def ref(self, fmt: FP4Format, mode: str) -> BlockFP4:
+        """The rollout's tensor for guided rounding; for parity records, codes whose bit 0 is the parity."""
+        packed = self.payload if mode == "full" else pack_fp4(unpack_bits(self.payload))
+        if fmt.kind == "mxfp4":
+            return MXFP4(packed=packed, scales=self.scale_bytes.view(torch.float8_e8m0fnu), mode=fmt.mx_mode)
+        return NVFP4(packed=packed, scales=self.scale_bytes.view(torch.float8_e4m3fn), global_scale=self.global_scale)
+
+    def to_parity(self) -> SiteRecord:
+        return replace(self, payload=pack_bits(unpack_fp4(self.payload) & 1))
+
+    def time_slice(self, n: int) -> SiteRecord:
+        """The first n positions (leading dim), for cutting a sequence to a training window."""
+        g = None if self.global_scale is None else self.global_scale[:n]
+        return SiteRecord(self.scale_bytes[:n], self.payload[:n], g)
+
+
+@dataclass
+class QuantRecord:
+    """The FP4 record of one rollout sequence of length T (prompt + response positions)."""
+
+    sites: dict[SiteKey, SiteRecord]
+    """Per recorded (layer, site), tensors with leading dim T."""
+    routes: Tensor
+    """[L, T, top_k] routed expert ids of every layer, uint8 (or int16 beyond 256 experts)."""
+    policy_version: int
+    """Version of the weights that generated the sequence."""
+    mode: str
+    """"full" (4-bit codes) or "parity" (1 mantissa bit per element)."""
+    fmt: FP4Format
+    """Activation format of every recorded site (NVFP4 with row or no global scale, or MXFP4 with its mode)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def length(self) -> int:
+        """T, the number of token positions."""
+        return int(self.routes.shape[1])
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({layer for layer, _ in self.sites})
+
+    def validate(self) -> None:
+        """Raise ValueError if any tensor is inconsistent with the others (never keep a half-valid record)."""
+        check_guidance_mode(self.mode)
+        if self.routes.dim() != 3 or self.routes.dtype not in (torch.uint8, torch.int16):
+            raise ValueError(f"routes must be uint8/int16 [L, T, top_k], got {self.routes.dtype} "
+                             f"{tuple(self.routes.shape)}")
+        for (layer, site), rec in self.sites.items():
+            if not 0 <= layer < self.routes.shape[0]:
+                raise ValueError(f"layer {layer} (site {site}) is outside the {self.routes.shape[0]} routed layers")
+            rec.check(self.fmt, self.mode, (self.length,), f"layer {layer} site {site}")
+
+    @classmethod
+    def from_captures(cls, captures: Mapping[SiteKey, BlockFP4], routes: Tensor, policy_version: int,
+                      mode: str = "full", layers: Iterable[int] | None = None) -> QuantRecord:
+        """Build from the rollout's per-sequence captures {(layer, site): BlockFP4 [T, ...]} and routes [L, T, k].
+
+        `layers` keeps only those layers (None: every captured layer); asking for an uncaptured layer is an
+        error, since training would silently fall back to unguided rounding there.
+        """
+        check_guidance_mode(mode)
+        keep = None if layers is None else set(layers)
+        missing = (keep or set()) - {layer for layer, _ in captures}
+        if missing:
+            raise ValueError(f"layers {sorted(missing)} were requested but not captured")
+        selected = {key: q for key, q in captures.items() if keep is None or key[0] in keep}
+        formats = {format_of(q) for q in selected.values()}
+        if len(formats) > 1:
+            raise ValueError(f"captures mix formats {sorted(format_name(f) for f in formats)}")
+        fmt = formats.pop() if formats else FP4Format()
+        for key, q in selected.items():
+            g = q.global_scale if isinstance(q, NVFP4) else None
+            if g is not None and tuple(g.shape) != (*q.packed.shape[:-1], 1):
+                raise ValueError(f"layer {key[0]} site {key[1]}: global scale must be per row, "
+                                 f"got shape {tuple(q.global_scale.shape)}")
+        sites = {key: SiteRecord.from_blocks(q, mode) for key, q in sorted(selected.items())}
+        return cls(sites, compact_routes(routes), int(policy_version), mode, fmt)
+
+    def ref(self, layer: int, site: str) -> BlockFP4:
+        """The rollout's BlockFP4 [T, ...] at (layer, site), usable by guided_quantize in this record's mode."""
+        if (layer, site) not in self.sites:
+            raise KeyError(f"no record for layer {layer} site {site}; recorded layers: {self.layers}")
+        return self.sites[(layer, site)].ref(self.fmt, self.mode)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every payload tensor by its storage name; exactly what a serialized record holds."""
+        out = {"routes": self.routes}
+        for (layer, site), rec in self.sites.items():
+            out.update({f"{layer}.{site}.{name}": t for name, t in rec.tensors().items()})
+        return out
+
+    def payload_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors().values())
+
+    def bytes_per_token(self) -> float:
+        """Serialized payload bytes (sites + routes, no header) per token position."""
+        return self.payload_bytes() / max(self.length, 1)
+
+    def bytes_per_token_by_layer(self) -> dict[int, float]:
+        """Site payload bytes per token of each recorded layer (routes excluded), for layer budgets."""
+        out: dict[int, float] = {}
+        for (layer, _), rec in self.sites.items():
+            out[layer] = out.get(layer, 0.0) + rec.nbytes / max(self.length, 1)
+        return out
+
+    def compact(self, mode: str | None = None, layers: Iterable[int] | None = None) -> QuantRecord:
+        """A smaller record: only `layers`, and parity bits instead of codes if mode is "parity"."""
+        mode = check_guidance_mode(mode or self.mode)
+        if self.mode == "parity" and mode == "full":
+            raise ValueError("a parity record cannot be expanded back to full codes")
+        keep = None if layers is None else set(layers)
+        sites = {k: (r.to_parity() if mode != self.mode else r) for k, r in self.sites.items()
+                 if keep is None or k[0] in keep}
+        return QuantRecord(sites, self.routes, self.policy_version, mode, self.fmt)
+
+
+def compact_routes(routes: Tensor) -> Tensor:
+    """Expert ids [L, T, k] in the smallest dtype that holds them (uint8 below 256 experts, else int16)."""
+    if routes.dim() != 3:
+        raise ValueError(f"routes must be [L, T, top_k], got shape {tuple(routes.shape)}")
+    if routes.dtype in (torch.uint8, torch.int16):
+        return routes.clone()
+    low, top = (int(routes.min()), int(routes.max())) if routes.numel() else (0, 0)
+    if low < 0 or top >= 2**15:
+        raise ValueError(f"expert ids must lie in 0..32767, got {low}..{top}")
+    return routes.to(torch.uint8 if top < 256 else torch.int16)
+
+
+@dataclass
+class BatchRecord:
+    """Records of a training minibatch stacked to (B, T, ...), with the mask of positions that have a record."""
+
+    sites: dict[SiteKey, SiteRecord]
+    """Per recorded (layer, site), tensors with leading dims (B, T)."""
+    routes: Tensor
+    """[L, B, T, top_k] routed expert ids (padded positions hold 0..top_k-1)."""
+    valid: Tensor
+    """(B, T) bool: True where the position has a rollout record."""
+    mode: str
+    fmt: FP4Format
+    policy_versions: list[int]
+    _refs: dict[SiteKey, BlockFP4] = field(default_factory=dict, repr=False)
+
+    @property
+    def length(self) -> int:
+        return int(self.valid.shape[1])
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({layer for layer, _ in self.sites})
+
+    def has(self, layer: int, site: str) -> bool:
+        return (layer, site) in self.sites
+
+    def ref(self, layer: int, site: str) -> BlockFP4:
+        """The rollouts' BlockFP4 (B, T, ...) at (layer, site); padded rows hold +0 codes under unit scales."""
+        key = (layer, site)
+        if key not in self.sites:
+            raise KeyError(f"no record for layer {layer} site {site}; recorded layers: {self.layers}")
+        if key not in self._refs:
+            self._refs[key] = self.sites[key].ref(self.fmt, self.mode)
+        return self._refs[key]
+
+    def to(self, device: torch.device | str) -> BatchRecord:
+        """This batch on `device` (itself when already there)."""
+        if self.valid.device == torch.device(device):
+            return self
+        sites = {k: SiteRecord(r.scale_bytes.to(device), r.payload.to(device),
+                               None if r.global_scale is None else r.global_scale.to(device))
+                 for k, r in self.sites.items()}
+        return BatchRecord(sites, self.routes.to(device), self.valid.to(device), self.mode, self.fmt,
+                           self.policy_versions)
+
+    def routes_for_replay(self) -> list[Tensor]:
+        """Per layer (B, T, top_k) int64 expert ids for the model's ``routed=`` argument."""
+        return list(self.routes.long().unbind(0))
+
+
+def _pad_site(rec: SiteRecord, length: int, one_byte: int) -> SiteRecord:
+    n = min(rec.payload.shape[0], length)
+
+    def pad(t: Tensor, value: float) -> Tensor:
+        out = torch.full((length, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+        out[:n] = t[:n]
+        return out
+
+    g = None if rec.global_scale is None else pad(rec.global_scale, 1.0)
+    return SiteRecord(pad(rec.scale_bytes, one_byte), pad(rec.payload, 0), g)
+
+
+def collate_records(records: Sequence[QuantRecord], pad_to: int | None = None) -> BatchRecord:
+    """Stack per-sequence records into a BatchRecord of length pad_to (default: the longest record).
+
+    Records longer than pad_to are cut to it (the training window never sees later positions). Padded
+    positions get +0 codes under unit scales (finite, never NaN) and are marked invalid, so the hook
+    falls back to plain fake-quant there.
+    """
+    if not records:
+        raise ValueError("collate_records needs at least one record")
+    first = records[0]
+    length = max(r.length for r in records) if pad_to is None else int(pad_to)
+    for i, r in enumerate(records):
+        if (r.mode, r.fmt) != (first.mode, first.fmt):
+            raise ValueError(f"record {i} is {r.mode}/{format_name(r.fmt)}, record 0 is "
+                             f"{first.mode}/{format_name(first.fmt)}")
+        if set(r.sites) != set(first.sites) or r.routes.shape[::2] != first.routes.shape[::2]:
+            raise ValueError(f"record {i} covers other sites or routes than record 0")
+    one = _ONE_SCALE_BYTE[first.fmt.kind]
+    sites = {}
+    for key in first.sites:
+        padded = [_pad_site(r.sites[key], length, one) for r in records]
+        g = None if padded[0].global_scale is None else torch.stack([p.global_scale for p in padded])
+        scales, payload = torch.stack([p.scale_bytes for p in padded]), torch.stack([p.payload for p in padded])
+        sites[key] = SiteRecord(scales, payload, g)
+    n_layers, top_k = first.routes.shape[0], first.routes.shape[2]
+    routes = torch.arange(top_k, dtype=first.routes.dtype).expand(n_layers, len(records), length, top_k).clone()
+    valid = torch.zeros(len(records), length, dtype=torch.bool)
+    for b, r in enumerate(records):
+        n = min(r.length, length)
+        routes[:, b, :n] = r.routes[:, :n]
+        valid[b, :n] = True
+    return BatchRecord(sites, routes, valid, first.mode, first.fmt, [r.policy_version for r in records])
