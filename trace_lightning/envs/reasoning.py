@@ -1,0 +1,191 @@
+"""Reasoning tasks from reasoning-gym generators, with compact prompts for the tiny simulator policy.
+
+reasoning-gym's questions carry long instructions ("State the final answer to the following arithmetic
+problem: ..."). The simulator's policy is a ~1M-parameter character model (printable ASCII, <= 128 tokens
+of context), so the sim presets rebuild a compact prompt from the problem's fields instead:
+
+    arithmetic / chain_sum    prompt "3+4-2="              answer "5"
+    countdown                 prompt "make 17 from 9 23 15:"  answer "23-15+9"
+
+The response is the text generated after the prompt. Extraction strips leading whitespace and keeps the
+longest prefix made of answer characters (an optionally signed integer, or for countdown digits, + - * /,
+parentheses and spaces); anything after it (EOS, a newline, junk) is ignored, and a response that does not
+start with an answer scores 0. The extracted answer is scored by the dataset's own `score_answer`; its
+partial credit (e.g. 0.5 for "17" when the answer is "7", 0.05 for a wrong countdown expression) is
+rounded down to 0 unless `partial_credit=True`, so the sim reward is exactly 0 or 1.
+
+Problems are generated lazily by index: the env holds `size` problems fixed by `seed`, and
+`sample(n, seed)` draws n distinct indices from them. reasoning-gym seeds item i with seed + i, so a
+held-out env should use a seed at least `size` away from the training env's.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import reasoning_gym
+
+from trace_lightning.envs.base import Problem, register_env
+
+
+def _expression_prompt(entry: dict[str, Any]) -> str:
+    return entry["metadata"]["expression"].replace(" ", "") + "="
+
+
+def _countdown_prompt(entry: dict[str, Any]) -> str:
+    md = entry["metadata"]
+    return f"make {md['target']} from {' '.join(str(n) for n in md['numbers'])}:"
+
+
+PROMPT_FORMATS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "native": lambda entry: entry["question"],
+    "expression": _expression_prompt,
+    "countdown": _countdown_prompt,
+}
+
+
+@dataclass(frozen=True)
+class AnswerFormat:
+    """How an answer is cut out of a response, and how the reference answer is written."""
+
+    pattern: str
+    """Regex matched at the start of the (left-stripped) response."""
+    compact: bool = False
+    """Drop spaces from the reference answer (so the demonstration is short)."""
+    forbidden: tuple[str, ...] = ()
+    """Substrings that make the extracted answer invalid (e.g. "**": the verifier would evaluate it)."""
+
+
+ANSWER_FORMATS: dict[str, AnswerFormat] = {
+    "integer": AnswerFormat(r"[+-]?\d+"),
+    "expression": AnswerFormat(r"[0-9+\-*/() ]+", compact=True, forbidden=("**",)),
+    "line": AnswerFormat(r"[^\n]*"),
+}
+
+
+def extract_answer(response: str, fmt: AnswerFormat, max_chars: int = 64) -> str | None:
+    """The answer at the start of response, or None when there is none (or it is invalid / too long)."""
+    match = re.match(fmt.pattern, response.lstrip())
+    answer = match.group(0).strip() if match else ""
+    if not answer or len(answer) > max_chars or any(bad in answer for bad in fmt.forbidden):
+        return None
+    return answer
+
+
+def _lookup(table: dict[str, Any], name: str, kind: str) -> Any:
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(table)}")
+    return table[name]
+
+
+class ReasoningGymEnv:
+    """A reasoning-gym dataset as an Env. dataset_kwargs go to the dataset's config."""
+
+    def __init__(
+        self,
+        dataset: str,
+        size: int = 10_000,
+        seed: int = 0,
+        prompt_format: str = "native",
+        answer_format: str = "line",
+        partial_credit: bool = False,
+        max_answer_chars: int = 64,
+        **dataset_kwargs: Any,
+    ) -> None:
+        self.name = dataset
+        self.size = size
+        self.prompt_fn = _lookup(PROMPT_FORMATS, prompt_format, "prompt format")
+        self.answer_fmt = _lookup(ANSWER_FORMATS, answer_format, "answer format")
+        self.partial_credit = partial_credit
+        self.max_answer_chars = max_answer_chars
+        self.data = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **dataset_kwargs)
+
+    def problem(self, index: int) -> Problem:
+        """The index-th problem of the dataset."""
+        entry = self.data[index]
+        answer = entry["answer"].replace(" ", "") if self.answer_fmt.compact else entry["answer"]
+        metadata = {
+            "dataset": self.name,
+            "index": index,
+            "question": entry["question"],
+            "rg_answer": entry["answer"],
+            "rg_metadata": entry["metadata"],
+        }
+        return Problem(prompt=self.prompt_fn(entry), answer=answer, metadata=metadata)
+
+    def sample(self, n: int, seed: int) -> list[Problem]:
+        rng = random.Random(seed)
+        indices = rng.sample(range(self.size), n) if n <= self.size else [rng.randrange(self.size) for _ in range(n)]
+        return [self.problem(i) for i in indices]
+
+    def score(self, problem: Problem, response: str) -> float:
+        answer = extract_answer(response, self.answer_fmt, self.max_answer_chars)
+        if answer is None:
+            return 0.0
+        md = problem.metadata
+        entry = {"question": md["question"], "answer": md["rg_answer"], "metadata": md["rg_metadata"]}
+        try:
+            reward = float(self.data.score_answer(answer, entry))
+        except Exception:  # a verifier crash on odd input is a wrong answer, not a failed step
+            return 0.0
+        if not self.partial_credit:
+            reward = 1.0 if reward >= 1.0 else 0.0
+        return min(max(reward, 0.0), 1.0)
+
+    def demonstration(self, problem: Problem) -> str:
+        return problem.answer
+
+
+SIM_PRESETS: dict[str, dict[str, Any]] = {
+    "arithmetic": dict(
+        dataset="basic_arithmetic",
+        prompt_format="expression",
+        answer_format="integer",
+        min_terms=2,
+        max_terms=2,
+        min_digits=1,
+        max_digits=1,
+        operators=("+", "-"),
+        allow_parentheses=False,
+        allow_negation=False,
+        whitespace="no_space",
+    ),
+    "chain_sum": dict(
+        dataset="chain_sum",
+        prompt_format="expression",
+        answer_format="integer",
+        min_terms=2,
+        max_terms=3,
+        min_digits=1,
+        max_digits=1,
+    ),
+    "countdown": dict(
+        dataset="countdown",
+        prompt_format="countdown",
+        answer_format="expression",
+        min_numbers=3,
+        max_numbers=4,
+        min_value=1,
+        max_value=25,
+        min_target=10,
+        max_target=100,
+    ),
+}
+"""Presets: small arithmetic for the sim policy; countdown (search over expressions) for larger models."""
+
+
+def _preset_factory(name: str) -> Callable[..., ReasoningGymEnv]:
+    def build(**overrides: Any) -> ReasoningGymEnv:
+        return ReasoningGymEnv(**{**SIM_PRESETS[name], **overrides})
+
+    build.__doc__ = f"ReasoningGymEnv with the {name!r} preset; keyword arguments override it."
+    return build
+
+
+register_env("reasoning_gym")(ReasoningGymEnv)
+for _name in SIM_PRESETS:
+    register_env(_name)(_preset_factory(_name))
