@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from trace_lightning.model import SITES, WEIGHTS, MoEConfig, QuantHook, Transformer
-from trace_lightning.model.model import Experts
+from trace_lightning.model.model import Experts, _use_grouped_mm
 
 B, T = 2, 12
 
@@ -62,6 +62,7 @@ def test_grouped_experts_match_reference_loop(use_grouped_mm: bool, hook: QuantH
     ids[0, 0] = torch.tensor([5, 5 + 1, 5 + 2, 5 + 3])
     gates = torch.rand(3, 7, 4, requires_grad=True)
 
+    assert _use_grouped_mm(x, experts.w13)  # the torch._grouped_mm path really runs on CPU
     y = experts(x, ids, gates, hook)
     y_ref = experts.forward_reference(x, ids, gates, hook)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
@@ -69,6 +70,8 @@ def test_grouped_experts_match_reference_loop(use_grouped_mm: bool, hook: QuantH
     grads_ref = torch.autograd.grad(y_ref.pow(2).sum(), [x, gates, experts.w13, experts.w2])
     for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+    experts(x, ids, gates, hook).sum().backward()  # a stride-0 upstream gradient must not reach _grouped_mm
+    assert experts.w13.grad.isfinite().all()
 
 
 def test_moe_down_rows_are_in_canonical_token_slot_order() -> None:
