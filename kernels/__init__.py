@@ -7,9 +7,16 @@ Triton or the sim is trace_lightning.ops.backend_for's job alone.
 from trace_lightning.kernels.kv import fp4_kv_attention, kv_append
 from trace_lightning.kernels.linear import fp4_linear
 from trace_lightning.kernels.moe import fp4_moe
-from trace_lightning.kernels.quantize import pack_parity, quantize_mxfp4, quantize_nvfp4, quantize_nvfp4_rows
+from trace_lightning.kernels.quantize import (
+    fake_quantize_nvfp4_rows,
+    pack_parity,
+    quantize_mxfp4,
+    quantize_nvfp4,
+    quantize_nvfp4_rows,
+)
 
 __all__ = [
+    "fake_quantize_nvfp4_rows",
     "fp4_kv_attention",
     "fp4_linear",
     "fp4_moe",

@@ -11,7 +11,15 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from trace_lightning.kernels._fp4 import e4m3_round_byte, e4m3_to_f32, encode_e2m1, nan_free_abs, pack_codes
+from trace_lightning.kernels._fp4 import (
+    e2m1_to_f16_scaled,
+    e4m3_round_byte,
+    e4m3_to_f32,
+    encode_e2m1,
+    nan_free_abs,
+    pack_codes,
+    unpack_codes,
+)
 
 from trace_lightning.quant import MXFP4, NVFP4
 from trace_lightning.quant.mxfp4 import check_mx_mode
@@ -67,7 +75,7 @@ def nvfp4_tile(x, g, inv_g, HAS_GLOBAL: tl.constexpr, BLOCK_R: tl.constexpr, BLO
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, R, K, MODE: tl.constexpr,
+def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     NB: tl.constexpr = BLOCK_K // 16
@@ -88,6 +96,11 @@ def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, R, K, MODE: tl.constexpr
         nb = k0 // 16 + tl.arange(0, NB)
         tl.store(scales_ptr + rows[:, None] * (K // 16) + nb[None, :], byte.to(tl.uint8),
                  mask=(rows[:, None] < R) & (nb[None, :] < K // 16))
+        if DEQUANT:  # NVFP4.dequantize's order: value * (scale * global), then the cast
+            values = e2m1_to_f16_scaled(unpack_codes(packed, BLOCK_R, BLOCK_K)).to(tl.float32) * 16384.0
+            mult = e4m3_to_f32(byte) * g[:, None]
+            dq = tl.reshape(tl.reshape(values, (BLOCK_R, NB, 16)) * mult[:, :, None], (BLOCK_R, BLOCK_K))
+            tl.store(dq_ptr + rows[:, None] * K + cols[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -165,14 +178,15 @@ def _launch_shape(R: int, K: int) -> tuple[int, int]:
     return block_r, block_k
 
 
-def _nvfp4(x: Tensor, g: Tensor | None, mode: int) -> tuple[Tensor, Tensor, Tensor]:
+def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     x2 = _rows_view(x, 16)
     R, K = x2.shape
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 16, dtype=torch.uint8, device=x.device)
     g_rows = torch.empty(R, dtype=torch.float32, device=x.device) if g is None else g
     block_r, block_k = _launch_shape(R, K)
-    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, packed, scales, R, K, mode, block_r, block_k, num_warps=4)
+    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, packed, scales, packed if dq is None else dq, R, K, mode,
+                                              dq is not None, block_r, block_k, num_warps=4)
     lead = tuple(x.shape[:-1])
     return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
 
@@ -190,6 +204,13 @@ def quantize_nvfp4_rows(x: Tensor) -> NVFP4:
     """NVFP4 with the per-row global scale computed in the same pass (activations, K/V) (Triton)."""
     packed, scales, g = _nvfp4(x, None, GLOBAL_ROW)
     return NVFP4(packed=packed, scales=scales, global_scale=g.view(*x.shape[:-1], 1))
+
+
+def fake_quantize_nvfp4_rows(x: Tensor) -> tuple[Tensor, NVFP4]:
+    """(dequantized x in x's dtype, its row-global NVFP4) from one pass: an activation site's value and record."""
+    dq = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    packed, scales, g = _nvfp4(x, None, GLOBAL_ROW, dq)
+    return dq, NVFP4(packed=packed, scales=scales, global_scale=g.view(*x.shape[:-1], 1))
 
 
 def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:

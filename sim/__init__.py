@@ -7,9 +7,16 @@ Same signatures as trace_lightning.kernels; pick one through trace_lightning.ops
 from trace_lightning.sim.kv import fp4_kv_attention, kv_append
 from trace_lightning.sim.linear import fp4_linear
 from trace_lightning.sim.moe import fp4_moe
-from trace_lightning.sim.quantize import pack_parity, quantize_mxfp4, quantize_nvfp4, quantize_nvfp4_rows
+from trace_lightning.sim.quantize import (
+    fake_quantize_nvfp4_rows,
+    pack_parity,
+    quantize_mxfp4,
+    quantize_nvfp4,
+    quantize_nvfp4_rows,
+)
 
 __all__ = [
+    "fake_quantize_nvfp4_rows",
     "fp4_kv_attention",
     "fp4_linear",
     "fp4_moe",

@@ -24,6 +24,12 @@ def quantize_nvfp4_rows(x: Tensor) -> NVFP4:
     return _quantize_nvfp4(x, row_global_scale(x))
 
 
+def fake_quantize_nvfp4_rows(x: Tensor) -> tuple[Tensor, NVFP4]:
+    """(dequantized x in x's dtype, its row-global NVFP4): an activation site's value and its record at once."""
+    q = quantize_nvfp4_rows(x)
+    return q.dequantize(x.dtype), q
+
+
 def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
     """MXFP4 of x [..., K] with the FLOOR or RCEIL scale rule."""
     return _quantize_mxfp4(x, mode)

@@ -61,8 +61,8 @@ def test_fp4_moe_bf16_and_untouched_experts(device: str) -> None:
 def test_backends_expose_the_same_ops() -> None:
     import inspect
 
-    names = ("quantize_nvfp4", "quantize_nvfp4_rows", "quantize_mxfp4", "pack_parity", "fp4_linear", "fp4_moe",
-             "kv_append", "fp4_kv_attention")
+    names = ("quantize_nvfp4", "quantize_nvfp4_rows", "fake_quantize_nvfp4_rows", "quantize_mxfp4", "pack_parity",
+             "fp4_linear", "fp4_moe", "kv_append", "fp4_kv_attention")
     for name in names:
         positional = [p for p in inspect.signature(getattr(sim, name)).parameters.values()
                       if p.kind is not inspect.Parameter.KEYWORD_ONLY]  # sim-only numerics options are keyword-only

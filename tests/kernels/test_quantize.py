@@ -112,3 +112,16 @@ def test_kernels_reject_bad_input(device: str) -> None:
         kernels.quantize_nvfp4_rows(torch.randn(2, 24, device=device))
     with pytest.raises(ValueError):
         kernels.quantize_mxfp4(torch.randn(2, 32, device=device), "round")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quantize_rows_value_and_record(device: str, dtype: torch.dtype) -> None:
+    x = (torch.randn(6, 4, 96, generator=torch.Generator().manual_seed(9)) * 3).to(dtype).to(device)
+    dq, q = kernels.fake_quantize_nvfp4_rows(x)
+    dq_ref, q_ref = sim.fake_quantize_nvfp4_rows(x)
+    assert_same(q, q_ref)
+    assert dq.dtype == dtype and dq.shape == x.shape
+    if dtype == torch.float32 or device == "cuda":
+        assert torch.equal(dq, dq_ref)  # same op order; (the CPU interpreter's bf16 cast is not RNE)
+    else:
+        torch.testing.assert_close(dq, dq_ref, rtol=1e-2, atol=0)
