@@ -1,0 +1,68 @@
+"""Shared benchmark plumbing (GPU.md protocol): median of CUDA-event timings, JSON lines, a markdown table."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+COPY_CEILING = 4.25e12  # bytes/s read + written, device-to-device copy measured on the H200 (GPU.md)
+
+
+def bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds (triton.testing.do_bench: warm-up, L2 flushed before each run, CUDA events)."""
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def graph_of(fn: Callable[[], Any]) -> Callable[[], Any] | None:
+    """A CUDA graph replay of fn (warmed up on a side stream), or None when capture fails."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return graph.replay
+    except Exception as err:  # noqa: BLE001  (report and fall back to eager)
+        print(f"# graph capture failed: {type(err).__name__}: {err}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+
+
+class Report:
+    """Collects rows; prints each as a JSON line at once and all as a markdown table at the end."""
+
+    def __init__(self, columns: list[str]) -> None:
+        self.columns, self.rows = columns, []
+
+    def add(self, **row: Any) -> None:
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def table(self) -> str:
+        def fmt(v: Any) -> str:
+            return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+        lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in self.columns) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+
+def add_bw(rep: Report, op: str, shape: str, ms: float, nbytes: int, **extra: Any) -> None:
+    """A row with achieved bandwidth and its share of the 4.25 TB/s copy ceiling."""
+    gbps = nbytes / ms / 1e6
+    rep.add(op=op, shape=shape, ms=ms, MB=nbytes / 1e6, GBps=gbps, pct=gbps * 1e9 / COPY_CEILING * 100, **extra)
+
+
+def nvfp4_bytes(rows: int, cols: int) -> int:
+    """Bytes of an NVFP4 matrix: packed codes, E4M3 scales, one float32 global per row."""
+    return rows * cols // 2 + rows * cols // 16 + rows * 4

@@ -1,0 +1,213 @@
+"""One decode step of a qwen3-30b-a3b-shaped MoE, BF16 torch ops vs our FP4 ops, next to its roofline.
+
+Run: python tools/bench_rollout.py --layers 8 --batches 1 16 64 256 --ctx 2048
+Random weights (never zeros). BF16 path: torch bf16 matmuls, SDPA over a bf16 cache, torch._grouped_mm
+experts. FP4 path: W4 weights + A4 activations (fake_quantize_nvfp4_rows at attn_in/attn_out/moe_in, the
+fused moe_down) + FP4 KV cache, all through trace_lightning.kernels. Norms, RoPE, router, lm_head stay
+bf16 in both. `--layers` are measured (captured as one CUDA graph per path) and scaled to the model's 48;
+the lm_head is measured on its own and added once. Roofline = (weight bytes touched + KV bytes) / 4.25 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from _bench import COPY_CEILING, Report, bench_ms, graph_of, nvfp4_bytes
+from bench_kernels import bf16_moe
+from torch import Tensor
+
+from trace_lightning import kernels
+from trace_lightning.ops import FP4KVLayer
+from trace_lightning.quant import NVFP4, tensor_global_scale
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 48
+    dim: int = 2048
+    heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    experts: int = 128
+    top_k: int = 8
+    inter: int = 768
+    vocab: int = 151936
+
+
+def rms(x: Tensor, w: Tensor) -> Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+def quantize_weight(w: Tensor) -> NVFP4:
+    g = tensor_global_scale(w, 2)
+    return kernels.quantize_nvfp4(w, g.unsqueeze(-1) if w.dim() == 3 else g)
+
+
+class Layer:
+    """One transformer block's random weights, in bf16 and in NVFP4 (quantized from the same tensors)."""
+
+    def __init__(self, s: Shape) -> None:
+        q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+        def rnd(*shape: int, std: float = 0.02) -> Tensor:
+            return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * std
+
+        self.wqkv, self.wo = rnd(q_dim + 2 * kv_dim, s.dim), rnd(s.dim, q_dim)
+        self.router = rnd(s.experts, s.dim)
+        self.w13, self.w2 = rnd(s.experts, 2 * s.inter, s.dim), rnd(s.experts, s.dim, s.inter)
+        self.n1, self.n2, self.qn, self.kn = (1 + rnd(d, std=0.1) for d in (s.dim, s.dim, s.head_dim, s.head_dim))
+        self.wqkv4, self.wo4 = quantize_weight(self.wqkv), quantize_weight(self.wo)
+        self.w13_4, self.w2_4 = quantize_weight(self.w13), quantize_weight(self.w2)
+
+
+def attn_proj(s: Shape, layer: Layer, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    B = qkv.shape[0]
+    q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+    q = rope(rms(q.view(B, s.heads, s.head_dim), layer.qn), cos, sin)  # (B, Hq, Dh)
+    k = rope(rms(k.view(B, s.kv_heads, s.head_dim), layer.kn), cos, sin)  # (B, Hkv, Dh)
+    return q, k, v.view(B, s.kv_heads, s.head_dim)
+
+
+def route(s: Shape, layer: Layer, h: Tensor) -> tuple[Tensor, Tensor]:
+    gates, ids = F.linear(h, layer.router).float().softmax(-1).topk(s.top_k, dim=-1)
+    return (gates / gates.sum(-1, keepdim=True)).to(h.dtype), ids
+
+
+def bf16_layer(s: Shape, layer: Layer, cache: tuple[Tensor, Tensor], x: Tensor, pos: Tensor, cos: Tensor,
+               sin: Tensor) -> Tensor:
+    B = x.shape[0]
+    q, k, v = attn_proj(s, layer, rms(x, layer.n1) @ layer.wqkv.T, cos, sin)
+    cache[0].index_copy_(2, pos[:1], k[:, :, None])  # every row decodes at the same position here
+    cache[1].index_copy_(2, pos[:1], v[:, :, None])
+    o = F.scaled_dot_product_attention(q[:, :, None], cache[0], cache[1], enable_gqa=True)  # (B, Hq, 1, Dh)
+    x = x + o.reshape(B, -1) @ layer.wo.T
+    h = rms(x, layer.n2)
+    gates, ids = route(s, layer, h)
+    return x + bf16_moe(h, layer.w13, layer.w2, ids, gates)
+
+
+def fp4_layer(s: Shape, layer: Layer, cache: FP4KVLayer, x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    B = x.shape[0]
+    hq, _ = kernels.fake_quantize_nvfp4_rows(rms(x, layer.n1))  # attn_in
+    q, k, v = attn_proj(s, layer, kernels.fp4_linear(hq, layer.wqkv4), cos, sin)
+    kernels.kv_append(cache, k[:, None], v[:, None], pos[:, None])  # k, v sites
+    o = kernels.fp4_kv_attention(q[:, :, None], cache, pos[:, None], s.head_dim**-0.5)  # (B, Hq, 1, Dh)
+    oq, _ = kernels.fake_quantize_nvfp4_rows(o.reshape(B, -1))  # attn_out
+    x = x + kernels.fp4_linear(oq, layer.wo4)
+    h = rms(x, layer.n2)
+    gates, ids = route(s, layer, h)
+    hq, _ = kernels.fake_quantize_nvfp4_rows(h)  # moe_in
+    return x + kernels.fp4_moe(hq, layer.w13_4, layer.w2_4, ids, gates)[0]  # moe_down inside
+
+
+def step(layer_fn, layers: list[Layer], caches: list, x: Tensor, out: Tensor, *args: Tensor) -> None:  # noqa: ANN001
+    for layer, cache in zip(layers, caches, strict=True):
+        x = layer_fn(layer, cache, x, *args)
+    out.copy_(x)
+
+
+def touched_experts(s: Shape, layers: list[Layer], x: Tensor) -> float:
+    """Mean distinct experts per layer that this batch routes to (router on the step's input)."""
+    counts = [route(s, layer, rms(x, layer.n2))[1].unique().numel() for layer in layers]
+    return sum(counts) / len(counts)
+
+
+def roofline_bytes(s: Shape, B: int, ctx: int, touched: float, fp4: bool) -> tuple[float, float]:
+    """(weight bytes touched, KV bytes read) of a full-depth decode step."""
+    q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    mats = [(q_dim + 2 * kv_dim, s.dim), (s.dim, q_dim)]
+    expert = [(2 * s.inter, s.dim), (s.dim, s.inter)]
+    size = (lambda r, c: nvfp4_bytes(r, c)) if fp4 else (lambda r, c: 2 * r * c)
+    per_layer = sum(size(r, c) for r, c in mats) + touched * sum(size(r, c) for r, c in expert)
+    per_layer += 2 * s.experts * s.dim + 4 * 2 * s.dim  # router and norms stay bf16
+    head = 2 * s.vocab * s.dim + 2 * s.dim
+    kv_row = (s.head_dim // 2 + s.head_dim // 16 + 4) if fp4 else 2 * s.head_dim
+    kv = s.layers * B * (ctx + 1) * s.kv_heads * 2 * kv_row
+    return s.layers * per_layer + head, kv
+
+
+def fill_caches(s: Shape, L: int, B: int, ctx: int) -> tuple[list[tuple[Tensor, Tensor]], list[FP4KVLayer]]:
+    bf16, fp4 = [], []
+    for _ in range(L):
+        k = torch.randn(B, s.kv_heads, ctx + 1, s.head_dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        layer = FP4KVLayer.allocate(B, s.kv_heads, ctx + 1, s.head_dim, "cuda")
+        kernels.kv_append(layer, k.transpose(1, 2), v.transpose(1, 2),
+                          torch.arange(ctx + 1, device="cuda").expand(B, ctx + 1))
+        bf16.append((k, v))
+        fp4.append(layer)
+    return bf16, fp4
+
+
+def timed(fn) -> tuple[float, str]:  # noqa: ANN001
+    replay = graph_of(fn)
+    return (bench_ms(replay), "graph") if replay is not None else (bench_ms(fn), "eager")
+
+
+def run_batch(rep: Report, s: Shape, layers: list[Layer], B: int, ctx: int, head: Tensor) -> None:
+    L = len(layers)
+    caches16, caches4 = fill_caches(s, L, B, ctx)
+    x = torch.randn(B, s.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+    inv = 1.0 / (1e6 ** (torch.arange(0, s.head_dim, 2, device="cuda").float() / s.head_dim))
+    ang = torch.cat([ctx * inv, ctx * inv]).to(torch.bfloat16)
+    cos, sin = ang.cos()[None, None], ang.sin()[None, None]
+    out16, out4 = torch.empty_like(x), torch.empty_like(x)
+    ms16, mode16 = timed(partial(step, partial(bf16_layer, s), layers, caches16, x, out16, pos, cos, sin))
+    ms4, mode4 = timed(partial(step, partial(fp4_layer, s), layers, caches4, x, out4, pos, cos, sin))
+    head_ms = bench_ms(partial(torch.matmul, rms(x, layers[0].n1), head.T))
+    diff = float((out4.float() - out16.float()).norm() / out16.float().norm())
+    touched = touched_experts(s, layers, x)
+    for name, ms, mode, fp4 in (("bf16", ms16, mode16, False), ("fp4", ms4, mode4, True)):
+        full = ms / L * s.layers + head_ms
+        w, kv = roofline_bytes(s, B, ctx, touched, fp4)
+        floor_ms = (w + kv) / COPY_CEILING * 1e3
+        rep.add(path=name, batch=B, ctx=ctx, measured_layers=L, mode=mode, layers_ms=ms, step_ms_48=full,
+                roofline_ms=floor_ms, pct_roofline=floor_ms / full * 100, weights_GB=w / 1e9, kv_GB=kv / 1e9,
+                touched=touched, tok_per_s=B / full * 1e3,
+                speedup=(ms16 / L * s.layers + head_ms) / full if fp4 else 1.0, rel_diff_vs_bf16=diff if fp4 else 0.0)
+    del caches16, caches4
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=8, help="layers measured (scaled to 48)")
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256])
+    parser.add_argument("--ctx", type=int, default=2048)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_rollout needs a CUDA device")
+    torch.manual_seed(0)
+    s = Shape()
+    layers = [Layer(s) for _ in range(args.layers)]
+    head = torch.randn(s.vocab, s.dim, device="cuda", dtype=torch.bfloat16) * 0.02
+    rep = Report(["path", "batch", "mode", "layers_ms", "step_ms_48", "roofline_ms", "pct_roofline", "weights_GB",
+                  "kv_GB", "touched", "tok_per_s", "speedup"])
+    for B in args.batches:
+        try:
+            run_batch(rep, s, layers, B, args.ctx, head)
+        except Exception as err:  # noqa: BLE001  (keep the other batches' numbers)
+            import traceback
+
+            print(f"# batch {B} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+            traceback.print_exc()
+            torch.cuda.empty_cache()
+    print(f"\n## decode step, qwen3-30b-a3b shape, {args.layers} layers measured and scaled to 48, ctx {args.ctx}, "
+          f"{torch.cuda.get_device_name()}\n")
+    print(rep.table())
+
+
+if __name__ == "__main__":
+    main()

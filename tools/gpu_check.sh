@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One device call: install, CUDA parity tests, kernel benchmarks, decode-step benchmark. Logs go to $OUT.
+# Usage (on the GPU machine, repo root): bash tools/gpu_check.sh [rollout layers] [sections...]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LAYERS=${1:-8}; shift || true
+SECTIONS=${*:-copy quant linear moe attn}
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+timeout ${PYTEST_S:-170} python3 -m pytest -q -p no:cacheprovider tests/kernels tests/sim tests/test_no_hf_kernels.py \
+  2>&1 | tee "$OUT/pytest.log" | tail -25
+timeout ${KERNELS_S:-170} python3 tools/bench_kernels.py --only $SECTIONS 2>&1 | tee "$OUT/bench_kernels.log" | grep -v '^{'
+timeout ${ROLLOUT_S:-220} python3 tools/bench_rollout.py --layers "$LAYERS" 2>&1 | tee "$OUT/bench_rollout.log" | grep -v '^{'
