@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from trace_lightning.model import Transformer
+from trace_lightning.quant import FP4Format, quantize_mxfp4
+from trace_lightning.rollout import (
+    Engine,
+    FP4Experts,
+    FP4Linear,
+    FP4Precision,
+    SamplingParams,
+    WeightChecksumError,
+    fp4_weight_checksums,
+    quantize_weight,
+)
+
+FP4_NAMES = {f"layers.{i}.{n}" for i in range(2)
+             for n in ("attn.wqkv.weight", "attn.wo.weight", "moe.experts.w13", "moe.experts.w2")}
+
+
+def master(base_model: Transformer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in base_model.state_dict().items()}
+
+
+def test_converter_swaps_modules_and_quantizes_master_weights(model: Transformer, base_model: Transformer) -> None:
+    engine = Engine(model, FP4Precision())
+    assert isinstance(engine.model.layers[0].attn.wqkv, FP4Linear)
+    assert isinstance(engine.model.layers[1].moe.experts, FP4Experts)
+    assert engine.model.output.weight.dtype == torch.bfloat16  # lm_head stays high precision
+    w13 = base_model.layers[1].moe.experts.w13.detach()
+    q = engine.model.layers[1].moe.experts.quantized()["w13"]
+    assert torch.equal(q.packed, quantize_weight(w13, "nvfp4").packed)
+    # One global scale per expert matrix, from the fp32 master weight (not from a bf16 copy).
+    expected_g = w13.abs().amax(dim=(1, 2)) / (448 * 6)
+    assert torch.equal(q.global_scale.flatten(), expected_g)
+    for e in range(w13.shape[0]):
+        assert torch.equal(q.packed[e], quantize_weight(w13[e], "nvfp4").packed)
+
+
+def test_checksums_agree_with_trainer_side_and_change_on_update(model: Transformer, base_model: Transformer) -> None:
+    engine = Engine(model, FP4Precision())
+    named = master(base_model)
+    ours = engine.weight_checksums()
+    assert set(ours) == FP4_NAMES
+    assert ours == fp4_weight_checksums(named, "nvfp4")
+    engine.verify_weights(named)
+
+    named["layers.1.moe.experts.w2"] = named["layers.1.moe.experts.w2"] * 1.5 + 0.01
+    named["norm.weight"] = named["norm.weight"] * 2
+    with pytest.raises(WeightChecksumError, match="layers.1.moe.experts.w2"):
+        engine.verify_weights(named)
+    engine.update_weights(named, version=7)
+    after = engine.weight_checksums()
+    assert engine.policy_version == 7
+    assert after == fp4_weight_checksums(named, FP4Format("nvfp4"))
+    assert {k for k in after if after[k] != ours[k]} == {"layers.1.moe.experts.w2"}
+    assert torch.equal(engine.model.norm.weight, named["norm.weight"].bfloat16())
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=1)).policy_version == 7
+
+
+def test_mxfp4_checksums(model: Transformer, base_model: Transformer) -> None:
+    engine = Engine(model, FP4Precision(fmt="mxfp4", mx_mode="rceil"))
+    named = master(base_model)
+    assert engine.weight_checksums() == fp4_weight_checksums(named, "mxfp4:rceil")
+    assert engine.weight_checksums() != fp4_weight_checksums(named, "mxfp4:floor")
+    wo = named["layers.0.attn.wo.weight"]
+    assert torch.equal(engine.model.layers[0].attn.wo.dense, quantize_mxfp4(wo, "rceil").dequantize(torch.bfloat16))
+
+
+def test_update_weights_rejects_unknown_names_and_shapes(model: Transformer, base_model: Transformer) -> None:
+    engine = Engine(model, FP4Precision())
+    before = engine.weight_checksums()
+    good = master(base_model)["layers.0.attn.wo.weight"] * 2
+    with pytest.raises(ValueError, match="unknown tensor 'layers.9.attn.wo.weight'"):
+        engine.update_weights({"layers.0.attn.wo.weight": good, "layers.9.attn.wo.weight": good}, version=1)
+    with pytest.raises(ValueError, match="'layers.0.moe.experts.w13' has shape \\(3, 4\\)"):
+        engine.update_weights({"layers.0.moe.experts.w13": torch.zeros(3, 4)}, version=1)
+    with pytest.raises(ValueError, match="'norm.weight' has shape"):
+        engine.update_weights({"norm.weight": torch.zeros(5)}, version=1)
+    assert engine.weight_checksums() == before and engine.policy_version == 0  # nothing was applied
+
+
+def test_unquantized_engines_take_updates_too(model: Transformer, base_model: Transformer) -> None:
+    engine = Engine(model, "fp32")
+    named = master(base_model)
+    named["output.weight"] = torch.zeros_like(named["output.weight"])
+    engine.update_weights(named, version=3)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    assert engine.weight_checksums() == {} and out.policy_version == 3
+    assert out.logprobs[0] == pytest.approx([-torch.log(torch.tensor(128.0)).item()] * 2)  # uniform logits
