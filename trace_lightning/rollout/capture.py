@@ -22,6 +22,7 @@ from trace_lightning.quant import BlockFP4
 from trace_lightning.rollout.batch import CaptureSpec, SiteKey
 
 RowQuantizer = Callable[[Tensor], BlockFP4]
+RowFakeQuantizer = Callable[[Tensor], tuple[Tensor, BlockFP4]]
 KV_SITES = frozenset({"k", "v"})
 
 
@@ -40,6 +41,16 @@ def reshape_rows(q: BlockFP4, lead: tuple[int, ...]) -> BlockFP4:
 def quantize_rows(quantize: RowQuantizer, x: Tensor) -> BlockFP4:
     """Quantize x [..., K] as rows [M, K] (the kernels' layout) and give the result x's leading dims."""
     return reshape_rows(quantize(x.reshape(-1, x.shape[-1])), tuple(x.shape[:-1]))
+
+
+def fake_quantizer(quantize: RowQuantizer) -> RowFakeQuantizer:
+    """(dequantized value in x's dtype, BlockFP4) from a plain quantizer, for backends without a fused one."""
+
+    def fake(x: Tensor) -> tuple[Tensor, BlockFP4]:
+        q = quantize(x)
+        return q.dequantize(x.dtype), q
+
+    return fake
 
 
 class RowBuffer:
@@ -142,13 +153,14 @@ class Recorder:
 class FP4ActivationHook(QuantHook):
     """Rollout-side FP4 activations: per-row quantize, record if asked, return dequantized compute-dtype values.
 
+    ``fake_quantize`` maps rows [M, K] to (value, BlockFP4) in one pass (``ops.fake_quantize_nvfp4_rows``).
     Sites in ``passthrough`` (k and v: the FP4 cache quantizes those) are returned unchanged. Weights are
     left alone here: the FP4 converter has already replaced the modules that hold them.
     """
 
-    def __init__(self, quantize: RowQuantizer, recorder: Recorder | None = None,
+    def __init__(self, fake_quantize: RowFakeQuantizer, recorder: Recorder | None = None,
                  passthrough: frozenset[str] = KV_SITES) -> None:
-        self.quantize, self.recorder, self.passthrough = quantize, recorder, passthrough
+        self.fake_quantize, self.recorder, self.passthrough = fake_quantize, recorder, passthrough
 
     def quantizes(self, site: str) -> bool:
         return site not in self.passthrough
@@ -161,6 +173,6 @@ class FP4ActivationHook(QuantHook):
     def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
         if site in self.passthrough:
             return x
-        q = quantize_rows(self.quantize, x)
-        self.observe(q, layer=layer, site=site)
-        return q.dequantize(x.dtype)
+        value, q = self.fake_quantize(x.reshape(-1, x.shape[-1]))
+        self.observe(reshape_rows(q, tuple(x.shape[:-1])), layer=layer, site=site)
+        return value.view(x.shape)

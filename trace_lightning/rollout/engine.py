@@ -23,7 +23,7 @@ from trace_lightning.model.model import ModelOutput
 from trace_lightning.ops import backend_for
 from trace_lightning.rollout.batch import CaptureSpec, FinishReason, RolloutBatch, SamplingParams
 from trace_lightning.rollout.cache import FP4KVCache, KVCache
-from trace_lightning.rollout.capture import FP4ActivationHook, Recorder, RowQuantizer
+from trace_lightning.rollout.capture import FP4ActivationHook, Recorder, RowFakeQuantizer, fake_quantizer
 from trace_lightning.rollout.convert import (
     FP4Module,
     check_weight_checksums,
@@ -123,16 +123,17 @@ class Engine:
         return out.logits
 
     # ---- pieces of a generate call -----------------------------------------------------------------
-    def _quantizer(self) -> RowQuantizer:
+    def _fake_quantizer(self) -> RowFakeQuantizer:
         assert self.fp4 is not None
         if self.fp4.fmt == "mxfp4":
-            return functools.partial(self.ops.quantize_mxfp4, mode=self.fp4.mx_mode)
-        return self.ops.quantize_nvfp4_rows
+            return fake_quantizer(functools.partial(self.ops.quantize_mxfp4, mode=self.fp4.mx_mode))
+        fused = getattr(self.ops, "fake_quantize_nvfp4_rows", None)
+        return fused if fused is not None else fake_quantizer(self.ops.quantize_nvfp4_rows)
 
     def _hook(self, recorder: Recorder | None) -> FP4ActivationHook | None:
         if self.fp4 is None or not self.fp4.activations:
             return None
-        return FP4ActivationHook(self._quantizer(), recorder)
+        return FP4ActivationHook(self._fake_quantizer(), recorder)
 
     def _cache(self, batch: int, max_len: int, recorder: Recorder | None) -> KVCache:
         c, dtype = self.config, self.compute_dtype
