@@ -7,13 +7,18 @@ bit (codes 0 and 8, both zero, count as equal) and the values training uses must
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import Tensor
 
-from trace_lightning.guidance import FakeQuantHook, GuidedHook, collate_records
+from trace_lightning.guidance import FakeQuantHook, GuidedHook, QuantRecord, collate_records
+from trace_lightning.guidance.hook import quantize_weight
 from trace_lightning.model import QuantHook
 from trace_lightning.quant import guided_quantize, parse_format
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams
+from trace_lightning.rollout.convert import quantize_weight as engine_quantize_weight
 
 LENGTHS = [9, 14, 11]
 
@@ -115,13 +120,16 @@ def test_unrecorded_layers_fall_back_to_plain_fake_quant(debug_model, make_recor
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("path", ["moe.experts.w13", "moe.experts.w2", "attn.wqkv.weight"])
 def test_training_weights_equal_the_rollouts_fp4_weights(debug_model, engine_weight, fmt: str, path: str) -> None:
-    from trace_lightning.guidance.hook import quantize_weight
-
     w = debug_model.layers[1].get_parameter(path).detach()
     rollout_w = engine_weight(w, parse_format(fmt))
     ours = quantize_weight(w, fmt)
     torch.testing.assert_close(ours.packed, rollout_w.packed, rtol=0, atol=0)
     torch.testing.assert_close(ours.scale_bytes(), rollout_w.scale_bytes(), rtol=0, atol=0)
+    engine_w = engine_quantize_weight(w, fmt)  # the converter the engine syncs weights with
+    torch.testing.assert_close(ours.packed, engine_w.packed, rtol=0, atol=0)
+    torch.testing.assert_close(ours.scale_bytes(), engine_w.scale_bytes(), rtol=0, atol=0)
+    if fmt == "nvfp4":
+        torch.testing.assert_close(ours.global_scale, engine_w.global_scale, rtol=0, atol=0)
     used = FakeQuantHook(fmt).weight(w, layer=1, name=path)
     torch.testing.assert_close(used, rollout_w.dequantize(torch.float32), rtol=0, atol=0)
     if fmt == "nvfp4" and w.dim() == 3:  # one global scale per expert matrix
@@ -139,3 +147,30 @@ def test_guided_training_step_has_finite_gradients(debug_model, make_records, ba
     assert len(grads) > 10 and all(bool(torch.isfinite(g).all()) for g in grads)
     assert float(debug_model.layers[3].moe.experts.w2.grad.abs().sum()) > 0
     debug_model.zero_grad()
+
+
+@pytest.mark.parametrize("mode", ["full", "parity"])
+def test_records_from_the_fp4_engine_guide_training_to_its_codes(debug_model, mode: str) -> None:
+    """The same check on the real engine's captures (bf16 compute, FP4 KV cache, prefill + decode)."""
+    engine = Engine(copy.deepcopy(debug_model).eval(), FP4Precision(fmt="nvfp4", compute_dtype=torch.bfloat16),
+                    backend="sim")
+    prompts = [[1, 5, 7, 9], [2, 3, 4, 5, 6, 7, 8]]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=5, seed=1), capture=CaptureSpec(mode="full"))
+    full = [QuantRecord.from_captures(c, r, out.policy_version) for c, r in zip(out.captures, out.routes, strict=True)]
+    seqs = [p + r for p, r in zip(prompts, out.responses, strict=True)]
+    assert [r.length for r in full] == [len(s) - 1 for s in seqs]  # the last sampled token is never fed
+    width = max(len(s) for s in seqs)
+    tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[True] * len(s) + [False] * (width - len(s)) for s in seqs])
+    tokens, mask = tokens[:, :-1], mask[:, :-1]  # the training forward's inputs
+    guide = collate_records([r.compact(mode) for r in full], tokens.shape[1])
+    audit = collate_records(full, tokens.shape[1])
+    hook = Spy(GuidedHook("nvfp4", guide, mode, mask, audit=audit))
+    with torch.no_grad():
+        debug_model(tokens, attention_mask=mask, hook=hook, routed=guide.routes_for_replay())
+    assert len(hook.inputs) == 24
+    for key, x in hook.inputs.items():
+        valid = _mask_like(audit.valid & mask, x)
+        codes = guided_quantize(x, guide.ref(*key), mode).codes()
+        assert int((~_same_code(codes, audit.ref(*key).codes()) & valid).sum()) == 0, key
+    assert hook.inner.metrics()["quant/value_agreement"] == 1.0
