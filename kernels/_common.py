@@ -38,3 +38,14 @@ def sm_count(device: torch.device) -> int:
 
 def scale_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
+
+
+def tuned(kernel, configs: list, key: list[str]):  # noqa: ANN001, ANN201 (triton kernels)
+    """(plain, autotuned) launchers of one kernel: autotune on CUDA only (the interpreter would run every config)."""
+    import triton
+
+    return kernel, triton.autotune(configs=configs, key=key)(kernel)
+
+
+def pick(pair: tuple, device: torch.device):  # noqa: ANN201
+    return pair[1] if device.type == "cuda" else pair[0]

@@ -9,6 +9,14 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 - <<'PY'
+import torch  # does CUDA's float32 log2 round like the CPU's (the RCEIL emulation assumes correct rounding)?
+m = torch.arange(0, 64, dtype=torch.int32)
+e = torch.arange(-126, 127, dtype=torch.int32)
+v = (((e[:, None] + 127) << 23) | m[None, :]).view(torch.float32).reshape(-1)
+a, b = torch.ceil(torch.log2(v)), torch.ceil(torch.log2(v.cuda())).cpu()
+print("log2 ceil mismatches cpu vs cuda:", int((a != b).sum()), "of", v.numel())
+PY
 timeout ${PYTEST_S:-170} python3 -m pytest -q -p no:cacheprovider tests/kernels tests/sim tests/test_no_hf_kernels.py \
   2>&1 | tee "$OUT/pytest.log" | tail -25
 timeout ${KERNELS_S:-170} python3 tools/bench_kernels.py --only $SECTIONS 2>&1 | tee "$OUT/bench_kernels.log" | grep -v '^{'
