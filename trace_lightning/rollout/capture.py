@@ -99,6 +99,13 @@ class RowBuffer:
         q = self._build((b, slice(0, n)))
         return dataclasses.replace(q, **{name: getattr(q, name).clone() for name in self.buffers})
 
+    def cpu(self) -> RowBuffer:
+        """A copy on the CPU (one transfer per field), to cut per-sequence records from without device syncs."""
+        out = RowBuffer(self.batch, self.max_len)
+        out.template, out.dtypes = self.template, self.dtypes
+        out.buffers = {name: buf.cpu() for name, buf in self.buffers.items()}
+        return out
+
 
 class Recorder:
     """Collects the requested (layer, site) BlockFP4 rows and every layer's routes, by token position.
@@ -143,10 +150,9 @@ class Recorder:
         """Per sequence {(layer, site): BlockFP4 with leading dim n_b}, on the CPU."""
         out: list[dict[SiteKey, BlockFP4]] = [{} for _ in lengths]
         for key in sorted(self.buffers):
-            buf = self.buffers[key]
+            buf = self.buffers[key].cpu()
             for b, n in enumerate(lengths):
-                q = buf.take(b, n)
-                out[b][key] = dataclasses.replace(q, **{name: getattr(q, name).cpu() for name in buf.buffers})
+                out[b][key] = buf.take(b, n)
         return out
 
 

@@ -166,8 +166,8 @@ class FP4Experts(nn.Module):
         out, h = self._moe(x.reshape(-1, D), self.q["w13"], self.q["w2"], ids.reshape(-1, K), gates.reshape(-1, K),
                            quantize_intermediate=act is not None)
         if act is not None and h is not None:
-            act.observe(NVFP4(h.packed.view(B, T, K, -1), h.scales.view(B, T, K, -1),
-                              h.global_scale.view(B, T, K, 1)), layer=self.layer, site="moe_down")
+            act.observe(NVFP4(h.packed.reshape(B, T, K, -1), h.scales.reshape(B, T, K, -1),
+                              h.global_scale.reshape(B, T, K, 1)), layer=self.layer, site="moe_down")
         return out.view(B, T, D)
 
     def _forward_dense(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None) -> Tensor:
