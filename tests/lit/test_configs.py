@@ -1,0 +1,48 @@
+"""Every shipped YAML config parses, and a bad key or type gives the CLI's clear error."""
+
+from pathlib import Path
+
+import pytest
+
+from trace_lightning.lit.cli import main
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+METHOD_PRESETS = sorted((CONF / "method").glob("*.yaml"))
+
+
+def _parse(*configs: Path, extra: tuple[str, ...] = ()) -> object:
+    args: list[str] = []
+    for c in configs:
+        args += ["--config", str(c)]
+    return main([*args, *extra], run=False)
+
+
+def test_sim_config_parses_into_the_default_method() -> None:
+    cli = _parse(CONF / "sim.yaml")
+    assert cli.model.method.name == "trace_compact"
+    assert cli.model.policy.config.name == "debug-moe"
+    assert cli.trainer.max_steps == 400
+
+
+@pytest.mark.parametrize("preset", METHOD_PRESETS, ids=lambda p: p.stem)
+def test_method_presets_stack_on_sim(preset: Path) -> None:
+    cli = _parse(CONF / "sim.yaml", preset)
+    expected = preset.stem if preset.stem != "route_replay" else "trace_compact"
+    assert cli.model.method.name == expected
+
+
+def test_bad_key_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(CONF / "sim.yaml", extra=("--model.trace.no_such_key", "1"))
+    assert "no_such_key" in capsys.readouterr().err
+
+
+def test_bad_type_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse(CONF / "sim.yaml", extra=("--model.rollout.group_size", "many"))
+    assert "group_size" in capsys.readouterr().err
+
+
+def test_unknown_method_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="trace.method"):
+        _parse(CONF / "sim.yaml", extra=("--model.trace.method", "fp3"))

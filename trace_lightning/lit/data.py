@@ -1,0 +1,104 @@
+"""The RL DataModule: every training step asks the rollout worker for a fresh, scored batch.
+
+The stream itself only yields step requests: Lightning prefetches one item ahead, and a rollout
+generated then would come from the weights before the last sync. The request becomes a batch in
+`on_before_batch_transfer`, which runs just before the training step, after the previous step's
+weight sync. Rollouts are seeded by (seed, step), so a resumed run regenerates exactly the batches
+the uninterrupted run would have seen. The first `warmup_steps` steps are supervised demonstration
+batches from the same task generators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, IterableDataset
+
+from trace_lightning.envs import Env, Problem, make_env
+from trace_lightning.lit.batch import DemoBatch, TrainBatch, pad_sequences, response_targets
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """A training step's batch, to be produced just in time."""
+
+    step: int
+
+
+class RolloutStream(IterableDataset):
+    """Yields one StepRequest per training step, forever, starting at the trainer's step."""
+
+    def __init__(self, datamodule: RLDataModule) -> None:
+        self.dm = datamodule
+
+    def __iter__(self) -> Iterator[StepRequest]:
+        step = self.dm.trainer.global_step
+        while True:
+            yield StepRequest(step)
+            step += 1
+
+
+class RLDataModule(L.LightningDataModule):
+    """Prompts and verifiers from an env; rollouts from the policy module's worker."""
+
+    def __init__(
+        self,
+        env: str = "arithmetic",
+        env_kwargs: dict[str, Any] | None = None,
+        demo_batch_size: int = 64,
+        eval_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            env: Task name (trace_lightning.envs registry).
+            env_kwargs: Extra arguments of the env.
+            demo_batch_size: Demonstrations per supervised warm-start step.
+            eval_size: Held-out problems for validation accuracy.
+            seed: Seed of problem sampling (rollouts are seeded by the policy module's seed and the step).
+        """
+        super().__init__()
+        self.env: Env = make_env(env, **(env_kwargs or {}))
+        self.demo_batch_size, self.eval_size, self.seed = demo_batch_size, eval_size, seed
+
+    def _problems(self, n: int, step: int) -> list[Problem]:
+        return self.env.sample(n, seed=self.seed * 1_000_003 + step)
+
+    def demo_batch(self, step: int) -> DemoBatch:
+        module = self.trainer.lightning_module
+        tok = module.tokenizer
+        problems = self._problems(self.demo_batch_size, step)
+        prompts = [[tok.bos_id, *tok.encode(p.prompt)] for p in problems]
+        seqs = [
+            p + tok.encode(self.env.demonstration(q)) + [tok.eos_id] for p, q in zip(prompts, problems, strict=True)
+        ]
+        tokens, mask = pad_sequences(seqs, tok.pad_id)
+        targets = response_targets([len(p) for p in prompts], [len(s) for s in seqs], tokens.shape[1])
+        return DemoBatch(tokens=tokens, attention_mask=mask, target_mask=targets)
+
+    def rollout_batch(self, step: int) -> TrainBatch:
+        module = self.trainer.lightning_module
+        problems = self._problems(module.rollout_cfg.prompts_per_step, step)
+        return module.worker.rollout(self.env, problems, seed=module.seed * 1_000_003 + step)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if not isinstance(batch, StepRequest):
+            return batch
+        module = self.trainer.lightning_module
+        if batch.step != self.trainer.global_step:
+            raise RuntimeError(f"step request {batch.step} arrived at trainer step {self.trainer.global_step}")
+        return self.demo_batch(batch.step) if module.in_warmup(batch.step) else self.rollout_batch(batch.step)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(RolloutStream(self), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        # Held-out problems: a seed range training never draws from.
+        problems = self.env.sample(self.eval_size, seed=10**9 + self.seed)
+        return DataLoader(problems, batch_size=32, collate_fn=list, num_workers=0)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

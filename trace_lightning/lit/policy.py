@@ -1,0 +1,256 @@
+"""The policy LightningModule: master weights, the training forward per method, and the RL step.
+
+`training_step` reads like the algorithm: a rollout batch arrives (the DataModule asked the worker
+for it), the training forward runs with the method's quantization hook (none, own-scale fake-quant,
+or guided by the rollout's record), token logprobs at the sampling temperature, group advantages,
+the clipped policy loss with optional importance correction; Lightning steps the optimizer and the
+WeightSync callback streams the new weights to the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trace_lightning.envs import Problem
+from trace_lightning.guidance import FakeQuantHook, GuidedHook, NonFiniteActivationError
+from trace_lightning.lit.batch import DemoBatch, TrainBatch
+from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig
+from trace_lightning.lit.worker import RolloutWorker
+from trace_lightning.methods import MethodSpec, get_method
+from trace_lightning.model import CharTokenizer, MoEConfig, QuantHook, Transformer, load_hf, load_tokenizer
+from trace_lightning.quant import parse_format
+from trace_lightning.rl import (
+    ADVANTAGES,
+    CORRECTIONS,
+    POLICY_LOSSES,
+    CorrectionConfig,
+    PolicyLossConfig,
+    policy_loss,
+    token_logprobs,
+)
+
+
+class NonFiniteError(RuntimeError):
+    """The training forward produced a non-finite activation, logit or loss."""
+
+
+class FiniteCheckHook(QuantHook):
+    """Wraps a hook (or the identity) and stops at the first non-finite activation, naming layer and site."""
+
+    def __init__(self, inner: QuantHook | None) -> None:
+        self.inner = inner or QuantHook()
+
+    def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
+        if not bool(torch.isfinite(x).all()):
+            raise NonFiniteActivationError(f"non-finite activation at layer {layer}, site {site}")
+        return self.inner.activation(x, layer=layer, site=site)
+
+    def weight(self, w: Tensor, *, layer: int, name: str) -> Tensor:
+        return self.inner.weight(w, layer=layer, name=name)
+
+
+def build_policy(model: str, checkpoint: str | None) -> tuple[Transformer, Any]:
+    """A preset from scratch with the built-in char tokenizer, or a local HF checkpoint and its tokenizer."""
+    if checkpoint:
+        return load_hf(checkpoint), load_tokenizer(checkpoint)
+    config = MoEConfig.from_name(model)
+    tokenizer = CharTokenizer()
+    if config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"model {model!r} has vocab {config.vocab_size} < char tokenizer's {tokenizer.vocab_size}")
+    return Transformer(config), tokenizer
+
+
+class PolicyModule(L.LightningModule):
+    """GRPO-style RL of an MoE policy whose rollouts run in FP4."""
+
+    def __init__(
+        self,
+        model: str = "debug-moe",
+        checkpoint: str | None = None,
+        trace: TraceConfig | None = None,
+        rollout: RolloutConfig | None = None,
+        rl: RLConfig | None = None,
+        lr: float = 1e-3,
+        warmup_lr: float = 3e-3,
+        warmup_steps: int = 200,
+        seed: int = 0,
+        cpu_threads: int = 0,
+    ) -> None:
+        """
+        Args:
+            model: Model preset (trace_lightning.model presets) used when no checkpoint is given.
+            checkpoint: Local Hugging Face checkpoint folder (config.json + safetensors + tokenizer.json).
+            trace: Quantization and guidance settings.
+            rollout: What each RL step samples.
+            rl: The policy-gradient objective.
+            lr: Learning rate of the RL phase.
+            warmup_lr: Learning rate of the supervised warm-start phase.
+            warmup_steps: Supervised warm-start steps before RL (0 skips the phase).
+            seed: Seed of the initial weights and of every rollout.
+            cpu_threads: torch intra-op threads (0 keeps torch's default). Tiny simulator models run fastest
+                on 1: their ops are too small to split, and spinning threads collapse under CPU contention.
+        """
+        super().__init__()
+        self.trace, self.rollout_cfg, self.rl = trace or TraceConfig(), rollout or RolloutConfig(), rl or RLConfig()
+        self.save_hyperparameters()
+        self.method: MethodSpec = get_method(self.trace.method)
+        self.fmt = parse_format(self.trace.fmt)
+        self.correction = self.rl.correction or self.method.correction
+        for name, registry in (("advantage", ADVANTAGES), ("loss", POLICY_LOSSES)):
+            if getattr(self.rl, name) not in registry:
+                raise ValueError(f"unknown rl.{name} {getattr(self.rl, name)!r}; expected one of {sorted(registry)}")
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"unknown rl.correction {self.correction!r}; expected one of {sorted(CORRECTIONS)}")
+        self.loss_config = PolicyLossConfig(
+            name=self.rl.loss,
+            clip_low=self.rl.clip_eps,
+            clip_high=self.rl.clip_eps,
+            agg_mode=self.rl.loss_agg,
+            kl_coef=self.rl.kl_coef,
+            correction=CorrectionConfig(name=self.correction, cap=self.rl.tis_cap),
+        )
+        if cpu_threads:
+            torch.set_num_threads(cpu_threads)
+        torch.manual_seed(seed)
+        self.policy, self.tokenizer = build_policy(model, checkpoint)
+        self.policy_version = 0
+        self.warmup_steps, self.seed = warmup_steps, seed
+        # The worker holds its own (FP4) copy of the weights; keep it out of this module's parameters.
+        object.__setattr__(
+            self, "worker", RolloutWorker(self.policy, self.tokenizer, self.method, self.trace, self.rollout_cfg)
+        )
+        self._eval_workers: dict[str, RolloutWorker] = {}
+
+    # ---- training -------------------------------------------------------------------------------
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.policy.parameters(), lr=self.hparams.lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move the batch's own tensors; records move lazily in the hook (they hold frozen formats)."""
+        if not isinstance(batch, DemoBatch | TrainBatch):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        for name, value in vars(batch).items():
+            if isinstance(value, Tensor):
+                setattr(batch, name, value.to(device))
+            elif name == "routes" and value is not None:
+                batch.routes = [r.to(device) for r in value]
+        return batch
+
+    def in_warmup(self, step: int | None = None) -> bool:
+        return (self.global_step if step is None else step) < self.warmup_steps
+
+    def _set_lr(self) -> None:
+        lr = self.hparams.warmup_lr if self.in_warmup() else self.hparams.lr
+        for group in self.optimizers().optimizer.param_groups if self._trainer else []:
+            group["lr"] = lr
+
+    def training_step(self, batch: DemoBatch | TrainBatch, batch_idx: int) -> dict[str, Any]:
+        self._set_lr()
+        if isinstance(batch, DemoBatch):
+            return self.supervised_step(batch)
+        return self.rl_step(batch)
+
+    def supervised_step(self, batch: DemoBatch) -> dict[str, Any]:
+        logits = self.policy(batch.tokens[:, :-1], attention_mask=batch.attention_mask[:, :-1])
+        targets = batch.tokens[:, 1:].masked_fill(~batch.target_mask, -100)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        self._check_finite(loss, "supervised loss")
+        self.log("train/sft_loss", loss, prog_bar=True, batch_size=batch.tokens.shape[0])
+        return {"loss": loss}
+
+    def training_hook(self, batch: TrainBatch) -> QuantHook | None:
+        valid = batch.attention_mask[:, :-1]
+        audit = batch.audit_record if batch.audit_record is not None else False
+        if self.method.train_quant == "guided" and batch.record is not None:
+            return GuidedHook(self.fmt, batch.record, self.method.guidance_mode, valid, audit=audit)
+        if self.method.train_quant in ("qat", "guided"):
+            return FakeQuantHook(self.fmt, audit=audit or None, valid_mask=valid)
+        return None
+
+    def training_forward(self, batch: TrainBatch, hook: QuantHook | None) -> tuple[Tensor, list[Tensor]]:
+        """Token logprobs (B, T-1) of tokens[:, 1:] at the sampling temperature, and training's routes."""
+        routed = batch.routes if self.trace.route_replay and batch.routes is not None else None
+        try:
+            out = self.policy(
+                batch.tokens[:, :-1],
+                attention_mask=batch.attention_mask[:, :-1],
+                hook=FiniteCheckHook(hook),
+                routed=routed,
+                return_routes=True,
+            )
+        except NonFiniteActivationError as err:
+            raise NonFiniteError(f"step {self.global_step}: {err}") from err
+        logprobs = token_logprobs(out.logits.float(), batch.tokens[:, 1:], self.rollout_cfg.temperature)
+        return logprobs, out.routes
+
+    def rl_step(self, batch: TrainBatch) -> dict[str, Any]:
+        hook = self.training_hook(batch)
+        logprobs, routes = self.training_forward(batch, hook)
+        mask = batch.response_mask
+        self._check_finite(logprobs.masked_fill(~mask, 0.0), "training logprobs")
+        advantages = ADVANTAGES[self.rl.advantage](batch.rewards, batch.group_size)
+        loss, stats = policy_loss(logprobs, None, batch.rollout_logprobs, advantages, mask, self.loss_config)
+        self._check_finite(loss, "policy loss")
+        n = batch.tokens.shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        self.log("reward/mean", batch.rewards.mean(), prog_bar=True, batch_size=n)
+        for key, value in stats.items():
+            self.log(key, value, batch_size=n)
+        return {"loss": loss, "logprobs": logprobs.detach(), "routes": routes, "hook": hook}
+
+    def _check_finite(self, value: Tensor, what: str) -> None:
+        if not bool(torch.isfinite(value).all()):
+            raise NonFiniteError(f"step {self.global_step}: non-finite {what}")
+
+    def named_weights_for_sync(self) -> dict[str, Tensor]:
+        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def _eval_worker(self, method: str) -> RolloutWorker:
+        """The FP4 and BF16 engines used for evaluation (the training worker when it matches)."""
+        spec = get_method(method)
+        if spec.rollout_fp4 == self.method.rollout_fp4:
+            return self.worker
+        if method not in self._eval_workers:
+            trace = TraceConfig(**{**vars(self.trace), "method": method})
+            self._eval_workers[method] = RolloutWorker(self.policy, self.tokenizer, spec, trace, self.rollout_cfg)
+        worker = self._eval_workers[method]
+        worker.sync(self.named_weights_for_sync(), self.policy_version)
+        return worker
+
+    def on_validation_epoch_start(self) -> None:
+        self._eval = {"eval/accuracy": self._eval_worker("fp4_naive"), "eval/bf16_accuracy": self._eval_worker("bf16")}
+        self._eval_hits: dict[str, list[float]] = {key: [] for key in self._eval}
+
+    def validation_step(self, batch: list[Problem], batch_idx: int) -> None:
+        env = self.trainer.datamodule.env
+        for key, worker in self._eval.items():
+            rows = worker.predict_step(batch, batch_idx)
+            self._eval_hits[key].extend(env.score(p, row["response"]) for p, row in zip(batch, rows, strict=True))
+
+    def on_validation_epoch_end(self) -> None:
+        for key, hits in self._eval_hits.items():
+            if hits:
+                self.log(key, sum(hits) / len(hits), prog_bar=key == "eval/accuracy")
+        if self.method.name == "bf16" and self._eval_hits["eval/accuracy"]:
+            # The bf16 method's policy, quantized post hoc by the FP4 engine, is the PTQ baseline.
+            hits = self._eval_hits["eval/accuracy"]
+            self.log("eval/ptq_accuracy", sum(hits) / len(hits))
+
+    def predict_step(self, batch: list[Problem], batch_idx: int) -> list[dict[str, Any]]:
+        return self.worker.predict_step(batch, batch_idx)
+
+    # ---- checkpoint state -----------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["policy_version"] = self.policy_version
+        checkpoint["rng_state"] = torch.get_rng_state()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.policy_version = int(checkpoint.get("policy_version", 0))
+        if "rng_state" in checkpoint:
+            torch.set_rng_state(checkpoint["rng_state"])

@@ -1,0 +1,170 @@
+"""The rollout worker: a LightningModule around the embedded FP4 engine.
+
+It owns the engine's copy of the policy (FP4 weights, FP4 activations, FP4 KV cache, or BF16 for
+the reference method), turns problems into scored, aligned TrainBatches with their records, and
+samples for `trace-rl predict`. Its weights only change through `sync`, which re-quantizes with the
+same quantizer the trainer's QAT uses and keeps the FP4 byte checksums for the audit.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from trace_lightning.envs import Env, Problem
+from trace_lightning.guidance import QuantRecord
+from trace_lightning.lit.batch import TrainBatch, pad_sequences, response_targets
+from trace_lightning.lit.config import RolloutConfig, TraceConfig
+from trace_lightning.methods import MethodSpec
+from trace_lightning.model import Transformer
+from trace_lightning.quant import parse_format
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, RolloutBatch, SamplingParams
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def rollout_precision(method: MethodSpec, trace: TraceConfig) -> Any:
+    if trace.rollout_compute not in _DTYPES:
+        raise ValueError(f"trace.rollout_compute must be one of {sorted(_DTYPES)}, got {trace.rollout_compute!r}")
+    if not method.rollout_fp4:
+        return trace.rollout_compute
+    fmt = parse_format(trace.fmt)
+    return FP4Precision(fmt=fmt.kind, mx_mode=fmt.mx_mode, compute_dtype=_DTYPES[trace.rollout_compute])
+
+
+class RolloutWorker(L.LightningModule):
+    """Generates rollouts with the FP4 engine; `predict_step` samples from the current policy."""
+
+    def __init__(
+        self, policy: Transformer, tokenizer: Any, method: MethodSpec, trace: TraceConfig, rollout: RolloutConfig
+    ) -> None:
+        super().__init__()
+        self.tokenizer, self.method, self.trace, self.rollout_cfg = tokenizer, method, trace, rollout
+        self.engine = Engine(copy.deepcopy(policy).eval(), rollout_precision(method, trace), backend=trace.backend)
+        self.record_layers: list[int] = []
+        """Layers whose record is kept (set by the DepthSelectiveCompaction callback)."""
+        self.audit_next = False
+        """Capture full records of every layer on the next rollout (set by the compaction callback)."""
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def sync(self, named_tensors: Mapping[str, Tensor], version: int) -> None:
+        self.engine.update_weights(named_tensors, version)
+
+    def weight_checksums(self) -> dict[str, str]:
+        return self.engine.weight_checksums()
+
+    def _capture(self) -> CaptureSpec | None:
+        if not self.method.rollout_fp4:
+            return None
+        config = self.engine.config
+        every = range(config.n_layers) if self.audit_next else self.record_layers
+        layers = {layer for layer in every if config.is_quantized_layer(layer)}
+        if not layers:
+            return None
+        return CaptureSpec(layers=layers, mode="full")
+
+    def generate(
+        self, prompts: list[list[int]], seed: int, greedy: bool = False, capture: CaptureSpec | None = None
+    ) -> RolloutBatch:
+        r = self.rollout_cfg
+        params = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=0.0 if greedy else r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            seed=seed,
+            stop_token_ids=[self.tokenizer.eos_id],
+        )
+        return self.engine.generate(prompts, params, capture=capture)
+
+    def encode_prompt(self, problem: Problem) -> list[int]:
+        return [self.tokenizer.bos_id, *self.tokenizer.encode(problem.prompt)]
+
+    def decode_response(self, response: list[int]) -> str:
+        """Text of a response; ids past the tokenizer's vocabulary (the model's is larger) read as '?'."""
+        tok = self.tokenizer
+        return "".join("?" if t >= tok.vocab_size else tok.decode([t]) for t in response if t != tok.eos_id)
+
+    def rollout(self, env: Env, problems: list[Problem], seed: int) -> TrainBatch:
+        """Sample group_size responses per problem, score them and align everything for training."""
+        g = self.rollout_cfg.group_size
+        prompts = [self.encode_prompt(p) for p in problems for _ in range(g)]
+        capture = self._capture()
+        start = time.perf_counter()
+        out = self.generate(prompts, seed, capture=capture)
+        elapsed = time.perf_counter() - start
+        texts = [self.decode_response(r) for r in out.responses]
+        rewards = torch.tensor([env.score(problems[i // g], t) for i, t in enumerate(texts)], dtype=torch.float32)
+        batch = self._align(prompts, out, rewards, g)
+        n_new = sum(len(r) for r in out.responses)
+        batch.rollout_stats = {"rollout/tokens_per_s": n_new / max(elapsed, 1e-9), "rollout/seconds": elapsed}
+        batch.samples = [
+            {"prompt": problems[i // g].prompt, "response": texts[i], "reward": float(rewards[i])}
+            for i in range(0, len(texts), max(1, len(texts) // 4))
+        ]
+        if capture is not None and out.captures is not None:
+            self._attach_records(batch, out, capture)
+        self.audit_next = False
+        return batch
+
+    def _align(self, prompts: list[list[int]], out: RolloutBatch, rewards: Tensor, group_size: int) -> TrainBatch:
+        seqs = [p + r for p, r in zip(prompts, out.responses, strict=True)]
+        tokens, attention_mask = pad_sequences(seqs, self.tokenizer.pad_id)
+        width = tokens.shape[1]
+        response_mask = response_targets([len(p) for p in prompts], [len(s) for s in seqs], width)
+        logprobs = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
+        for i, (p, lp) in enumerate(zip(prompts, out.logprobs, strict=True)):
+            logprobs[i, len(p) - 1 : len(p) - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        routes = self._pad_routes(out.routes, width - 1) if out.routes is not None else None
+        return TrainBatch(
+            tokens=tokens,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            rollout_logprobs=logprobs,
+            rewards=rewards,
+            group_size=group_size,
+            policy_version=out.policy_version,
+            routes=routes,
+        )
+
+    @staticmethod
+    def _pad_routes(routes: list[Tensor], width: int) -> list[Tensor]:
+        """Per-sequence [L, T_b, k] -> per layer (B, width, k), padded with expert 0."""
+        n_layers, top_k = routes[0].shape[0], routes[0].shape[-1]
+        out = torch.zeros((n_layers, len(routes), width, top_k), dtype=torch.long)
+        for b, r in enumerate(routes):
+            t = min(r.shape[1], width)
+            out[:, b, :t] = r[:, :t].long()
+        return list(out.unbind(0))
+
+    def _attach_records(self, batch: TrainBatch, out: RolloutBatch, capture: CaptureSpec) -> None:
+        mode = self.method.guidance_mode or "full"
+        start = time.perf_counter()
+        if self.method.records:
+            batch.records = [
+                QuantRecord.from_captures(c, r, out.policy_version, mode=mode, layers=sorted(self.record_layers))
+                for c, r in zip(out.captures, out.routes, strict=True)
+            ]
+        if self.audit_next:
+            batch.audit_records = [
+                QuantRecord.from_captures(c, r, out.policy_version, mode="full", layers=sorted(capture.layers))
+                for c, r in zip(out.captures, out.routes, strict=True)
+            ]
+        batch.rollout_stats["guidance/capture_ms"] = 1000 * (time.perf_counter() - start)
+
+    def predict_step(self, batch: list[Problem], batch_idx: int) -> list[dict[str, Any]]:
+        prompts = [self.encode_prompt(p) for p in batch]
+        out = self.generate(prompts, seed=batch_idx, greedy=True)
+        return [
+            {"prompt": p.prompt, "response": self.decode_response(r), "answer": p.answer}
+            for p, r in zip(batch, out.responses, strict=True)
+        ]
