@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton.language as tl
@@ -40,12 +41,19 @@ def scale_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried by the W4A16 GEMM autotuners
+GEMM_TILES = ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4), (128, 256, 8, 3), (64, 256, 8, 4),
+              (32, 128, 4, 2))
+
+
 def tuned(kernel, configs: list, key: list[str]):  # noqa: ANN001, ANN201 (triton kernels)
-    """(plain, autotuned) launchers of one kernel: autotune on CUDA only (the interpreter would run every config)."""
+    """(plain, autotuned) launchers of one kernel."""
     import triton
 
     return kernel, triton.autotune(configs=configs, key=key)(kernel)
 
 
-def pick(pair: tuple, device: torch.device):  # noqa: ANN201
-    return pair[1] if device.type == "cuda" else pair[0]
+def autotune_on(device: torch.device) -> bool:
+    """Autotune block shapes on CUDA when TRACE_LIGHTNING_AUTOTUNE=1 (benchmarks, long rollouts); tests and the
+    interpreter use the fixed heuristic shapes (autotuning runs every config once per new shape)."""
+    return device.type == "cuda" and os.environ.get("TRACE_LIGHTNING_AUTOTUNE", "0") == "1"

@@ -55,17 +55,23 @@ def e2m1_to_f16_scaled(code):
 
 
 @triton.jit
-def dequant_pairs(packed, scale_bytes, DTYPE: tl.constexpr):
-    """Bytes (two codes each) and the E4M3 scale byte of their block, same shape -> (even, odd) values
-    code * scale in DTYPE (exact in bf16: <= 6 significant bits; global scale left out).
-
-    Even and odd elements come back as separate tensors so GEMMs take two dots over K/2 (K order is free)
-    instead of interleaving registers; the scale goes through the same fp16 bit trick (E4M3 * 2^-8).
-    """
+def unpack_codes(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """uint8 [ROWS, COLS // 2] bytes -> int32 codes [ROWS, COLS], the even index in the low nibble."""
     p = packed.to(tl.int32)
-    b = scale_bytes.to(tl.int32)
-    s = ((b & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0  # * 2^(8 + 14)
-    s = tl.where((b & 0x7F) == 0x7F, float("nan"), s)
-    lo = e2m1_to_f16_scaled(p & 15).to(tl.float32) * s
-    hi = e2m1_to_f16_scaled(p >> 4).to(tl.float32) * s
-    return lo.to(DTYPE), hi.to(DTYPE)
+    return tl.reshape(tl.join(p & 15, p >> 4), (ROWS, COLS))
+
+
+@triton.jit
+def pack_codes(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """int32 codes [ROWS, COLS] -> uint8 bytes [ROWS, COLS // 2]."""
+    lo, hi = tl.split(tl.reshape(codes, (ROWS, COLS // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def dequant_tile(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr):
+    """NVFP4 tile -> code * block scale in DTYPE (exact in bf16: <= 6 significant bits); global scale left out."""
+    v = e2m1_to_f16_scaled(unpack_codes(packed, ROWS, COLS)).to(tl.float32)
+    s = e4m3_to_f32(scale_bytes.to(tl.int32)) * 16384.0  # undo the 2^-14 of the fp16 trick (exact)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (ROWS, COLS // 16, 16)), (ROWS, COLS))
+    return (v * s).to(DTYPE)

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from trace_lightning.kernels._common import dot_precision, mma_dtype, scale_bytes, sm_count, tuned
-from trace_lightning.kernels._fp4 import dequant_pairs
-from trace_lightning.kernels.quantize import block_amax, load_pairs, nvfp4_blocks, row_global_from_amax
+from trace_lightning.kernels._common import autotune_on, dot_precision, mma_dtype, scale_bytes, sm_count, tuned
+from trace_lightning.kernels._fp4 import dequant_tile, nan_free_abs
+from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_amax
 
 from trace_lightning.quant import NVFP4
 
@@ -28,36 +28,40 @@ if TYPE_CHECKING:
 
 @triton.jit
 def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, rows, dest, R,
-                DH: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr):
-    xe, xo, offs, mask = load_pairs(x_ptr, rows, 0, R, DH, BLOCK_R, NB, 8)
-    a, n = block_amax(xe, xo)
+                DH: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    cols = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + rows[:, None] * DH + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < DH),
+                other=0.0).to(tl.float32)
+    a, n = nan_free_abs(x)
     g = row_global_from_amax(tl.max(a, axis=1), tl.max(n, axis=1), RECIP)
     inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
-    packed, byte = nvfp4_blocks(xe, xo, g, inv_g, True, RECIP)
+    packed, byte = nvfp4_tile(x, g, inv_g, True, RECIP, BLOCK_R, BLOCK_D)
+    half = tl.arange(0, BLOCK_D // 2)
+    nb = tl.arange(0, BLOCK_D // 16)
     ok = rows < R
-    nb = tl.arange(0, NB)
-    smask = ok[:, None] & (nb[None, :] < DH // 16)
-    col = offs // 2 - rows[:, None, None] * (DH // 2)  # byte index inside the row
-    tl.store(packed_ptr + offs // 2, packed, mask=mask)
-    tl.store(scales_ptr + rows[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=smask)
+    pm = ok[:, None] & (half[None, :] < DH // 2)
+    sm = ok[:, None] & (nb[None, :] < DH // 16)
+    tl.store(packed_ptr + rows[:, None] * (DH // 2) + half[None, :], packed, mask=pm)
+    tl.store(scales_ptr + rows[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm)
     tl.store(g_ptr + rows, g, mask=ok)
     write = dest >= 0
-    tl.store(c_packed + dest[:, None, None] * (DH // 2) + col, packed, mask=mask & write[:, None, None])
-    tl.store(c_scales + dest[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=smask & write[:, None])
+    tl.store(c_packed + dest[:, None] * (DH // 2) + half[None, :], packed, mask=pm & write[:, None])
+    tl.store(c_scales + dest[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm & write[:, None])
     tl.store(c_g + dest, g, mask=ok & write)
 
 
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg, cvp, cvs, cvg,
-                   R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr):
+                   R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = (b * T + t) * H + h
     h = rows % H
     bt = rows // H
     b = bt // T
     pos = tl.load(pos_ptr + bt, mask=rows < R, other=-1)
     dest = tl.where(pos >= 0, (b * H + h).to(tl.int64) * S + pos, -1)  # cache row (b, h, pos)
-    _append_one(k_ptr, kp, ks, kg, ckp, cks, ckg, rows, dest, R, DH, RECIP, BLOCK_R, NB)
-    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, RECIP, BLOCK_R, NB)
+    _append_one(k_ptr, kp, ks, kg, ckp, cks, ckg, rows, dest, R, DH, RECIP, BLOCK_R, BLOCK_D)
+    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, RECIP, BLOCK_R, BLOCK_D)
 
 
 def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tuple[NVFP4, NVFP4]:
@@ -74,13 +78,13 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
     outs = [(torch.empty(B, T, Hkv, Dh // 2, dtype=torch.uint8, device=dev),
              torch.empty(B, T, Hkv, Dh // 16, dtype=torch.uint8, device=dev),
              torch.empty(B, T, Hkv, 1, dtype=torch.float32, device=dev)) for _ in range(2)]
-    nb = triton.next_power_of_2(Dh // 16)
-    block_r = max(1, min(2048 // (16 * nb), triton.next_power_of_2(R)))
+    block_d = triton.next_power_of_2(Dh)
+    block_r = max(1, min(2048 // block_d, triton.next_power_of_2(R)))
     _append_kernel[(triton.cdiv(R, block_r),)](
         k.contiguous(), v.contiguous(), positions.to(torch.int64).contiguous(), *outs[0], *outs[1],
         layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
         layer.v_packed, scale_bytes(layer.v_scales), layer.v_global,
-        R, T, Hkv, S, Dh, dev.type == "cuda", block_r, nb, num_warps=4)
+        R, T, Hkv, S, Dh, dev.type == "cuda", block_r, block_d, num_warps=4)
     return tuple(NVFP4(p, s.view(torch.float8_e4m3fn), g) for p, s, g in outs)  # type: ignore[return-value]
 
 
@@ -94,47 +98,41 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
     b = bh // H
     h = bh % H
     gi = tl.arange(0, BLOCK_G)
-    hd = tl.arange(0, DH // 2)  # byte j of a row holds dims 2j and 2j + 1
-    # q [B, H * G, T, DH]: query head h * G + gi; even and odd dims apart, like the cache's nibbles
+    d = tl.arange(0, DH)
+    # q [B, H * G, T, DH]: query head h * G + gi
     q_rows = ((b * H * G + h * G + gi) * T + t) * DH
-    qm = gi[:, None] < G
-    qe = tl.load(q_ptr + q_rows[:, None] + 2 * hd[None, :], mask=qm, other=0.0).to(DTYPE)
-    qo = tl.load(q_ptr + q_rows[:, None] + 2 * hd[None, :] + 1, mask=qm, other=0.0).to(DTYPE)
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=gi[:, None] < G, other=0.0).to(DTYPE)
     length = tl.minimum(tl.load(pos_ptr + b * T + t) + 1, S)
     lo = split * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, length)
     m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
-    acc_e = tl.zeros((BLOCK_G, DH // 2), tl.float32)
-    acc_o = tl.zeros((BLOCK_G, DH // 2), tl.float32)
-    base = bh.to(tl.int64) * S
+    acc = tl.zeros((BLOCK_G, DH), tl.float32)
+    base = bh * S
+    hd = tl.arange(0, DH // 2)
+    sd = tl.arange(0, DH // 16)
     for s0 in range(lo, hi, BLOCK_S):
         js = s0 + tl.arange(0, BLOCK_S)
         valid = js < hi
         rows = base + js
-        km = valid[:, None]
-        k_lo, k_hi = dequant_pairs(tl.load(kp + rows[:, None] * (DH // 2) + hd[None, :], mask=km, other=0),
-                                   tl.load(ks + rows[:, None] * (DH // 16) + hd[None, :] // 8, mask=km, other=0),
-                                   DTYPE)
+        kt = dequant_tile(tl.load(kp + rows[:, None] * (DH // 2) + hd[None, :], mask=valid[:, None], other=0),
+                          tl.load(ks + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
+                          BLOCK_S, DH, DTYPE)
         gk = tl.load(kg + rows, mask=valid, other=0.0)
-        scores = tl.dot(qe, tl.trans(k_lo), input_precision=PREC)
-        scores = tl.dot(qo, tl.trans(k_hi), scores, input_precision=PREC) * (gk * sm_scale)[None, :]
+        scores = tl.dot(q, tl.trans(kt), input_precision=PREC) * (gk * sm_scale)[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_lo, v_hi = dequant_pairs(tl.load(vp + rows[:, None] * (DH // 2) + hd[None, :], mask=km, other=0),
-                                   tl.load(vs + rows[:, None] * (DH // 16) + hd[None, :] // 8, mask=km, other=0),
-                                   DTYPE)
+        vt = dequant_tile(tl.load(vp + rows[:, None] * (DH // 2) + hd[None, :], mask=valid[:, None], other=0),
+                          tl.load(vs + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
+                          BLOCK_S, DH, DTYPE)
         gv = tl.load(vg + rows, mask=valid, other=0.0)
-        pv = (p * gv[None, :]).to(DTYPE)
-        acc_e = tl.dot(pv, v_lo, acc_e * alpha[:, None], input_precision=PREC)
-        acc_o = tl.dot(pv, v_hi, acc_o * alpha[:, None], input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot((p * gv[None, :]).to(DTYPE), vt, input_precision=PREC)
         m_i = m_new
     part = (bht * NUM_SPLITS + split) * G + gi
-    tl.store(o_ptr + part[:, None] * DH + 2 * hd[None, :], acc_e, mask=qm)
-    tl.store(o_ptr + part[:, None] * DH + 2 * hd[None, :] + 1, acc_o, mask=qm)
+    tl.store(o_ptr + part[:, None] * DH + d[None, :], acc, mask=gi[:, None] < G)
     tl.store(m_ptr + part, m_i, mask=gi < G)
     tl.store(l_ptr + part, l_i, mask=gi < G)
 
@@ -182,9 +180,9 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
                          f"{layer.shape} (head_dim must be a power of two)")
     G = Hq // Hkv
     block_s = 64
-    cuda = q.device.type == "cuda"
-    splits = num_splits or attention_splits(B * Hkv * T, S, 128 if cuda else block_s, q.device)
-    unit = 128 if cuda else block_s  # whole autotuned key blocks per split
+    tune = autotune_on(q.device)
+    unit = 128 if tune else block_s  # whole (autotuned) key blocks per split
+    splits = num_splits or attention_splits(B * Hkv * T, S, unit, q.device)
     split_len = triton.cdiv(triton.cdiv(S, splits), unit) * unit
     splits = triton.cdiv(S, split_len)
     work = B * Hkv * T
@@ -195,11 +193,11 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
     args = (q.contiguous(), pos, layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
             layer.v_packed, scale_bytes(layer.v_scales), layer.v_global, o, m, l_sum, float(sm_scale),
             T, Hkv, S, split_len, splits, G, Dh, max(16, triton.next_power_of_2(G)))
-    if cuda:
-        _ATTN[1][(work, splits)](*args, DTYPE=mma_dtype(q.dtype, q.device), PREC=dot_precision(q.dtype, q.device))
+    dt, prec = mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device)
+    if tune:
+        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec)
     else:
-        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=mma_dtype(q.dtype, q.device),
-                                           PREC=dot_precision(q.dtype, q.device), num_warps=4, num_stages=2)
+        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, num_warps=4, num_stages=2)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
                                   num_warps=4)

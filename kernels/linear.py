@@ -1,8 +1,7 @@
 """W4A16 GEMM for decode and prefill: NVFP4 weights dequantized in registers, float32 accumulation.
 
-Each program loads a packed weight tile [BLOCK_N, BLOCK_K / 2] and its E4M3 scales, turns the low and
-high nibbles into code * scale (exact in bf16) and takes two dots, with the even and the odd activation
-columns (the order of K is free, so no register interleave); the per-row global scale is
+Each program loads a packed weight tile [BLOCK_N, BLOCK_K / 2] and its E4M3 scales, turns them into
+code * scale (exact in bf16), and feeds tl.dot with the activation tile; the per-row global scale is
 applied to the float32 accumulator. Hopper has no FP4 MMA (tl.dot_scaled is emulated via bf16 there and
 takes only E8M0 scales in 32-blocks, not NVFP4's E4M3 16-blocks), so the win is bytes: the weight stream
 is 4.5 bits. Small M gives few tiles, so K is split across programs into float32 partials that a
@@ -15,8 +14,16 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from trace_lightning.kernels._common import dot_precision, mma_dtype, scale_bytes, sm_count, tuned
-from trace_lightning.kernels._fp4 import dequant_pairs
+from trace_lightning.kernels._common import (
+    GEMM_TILES,
+    autotune_on,
+    dot_precision,
+    mma_dtype,
+    scale_bytes,
+    sm_count,
+    tuned,
+)
+from trace_lightning.kernels._fp4 import dequant_tile
 
 from trace_lightning.quant import NVFP4
 
@@ -31,16 +38,16 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_SPLIT
     for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
-        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte j holds elements 2j (low nibble) and 2j + 1
-        xm = (rm[:, None] < M) & (hk[None, :] < K // 2)
-        xe = tl.load(x_ptr + rm[:, None] * K + 2 * hk[None, :], mask=xm, other=0.0).to(DTYPE)
-        xo = tl.load(x_ptr + rm[:, None] * K + 2 * hk[None, :] + 1, mask=xm, other=0.0).to(DTYPE)
-        wm = (rn[:, None] < N) & (hk[None, :] < K // 2)
-        p = tl.load(w_ptr + rn[:, None] * (K // 2) + hk[None, :], mask=wm, other=0)
-        s = tl.load(s_ptr + rn[:, None] * (K // 16) + hk[None, :] // 8, mask=wm, other=0)
-        lo, hi = dequant_pairs(p, s, DTYPE)
-        acc = tl.dot(xe, tl.trans(lo), acc, input_precision=PREC)
-        acc = tl.dot(xo, tl.trans(hi), acc, input_precision=PREC)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        p = tl.load(w_ptr + rn[:, None] * (K // 2) + hk[None, :], mask=(rn[:, None] < N) & (hk[None, :] < K // 2),
+                    other=0)
+        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        s = tl.load(s_ptr + rn[:, None] * (K // 16) + sk[None, :], mask=(rn[:, None] < N) & (sk[None, :] < K // 16),
+                    other=0)
+        w = dequant_tile(p, s, BLOCK_N, BLOCK_K, DTYPE)
+        acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PREC)
     g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)
     acc = acc * g[None, :]
     out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
@@ -49,8 +56,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
 
 _LINEAR = tuned(_linear_kernel, [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-    for bn, bk, w, st in ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4), (128, 256, 8, 3),
-                          (64, 256, 8, 4))
+    for bn, bk, w, st in GEMM_TILES
 ], key=["M", "N", "K", "K_SPLIT"])
 
 
@@ -93,8 +99,8 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
     if blocks is not None:
         bm, bn, bk = blocks
     split = split_k or split
-    cuda = x.device.type == "cuda"
-    k_unit = 256 if cuda else bk  # autotuned BLOCK_K (<= 256) must divide each split's K range
+    tune = autotune_on(x.device)
+    k_unit = 256 if tune else bk  # an autotuned BLOCK_K (<= 256) must divide each split's K range
     k_split = triton.cdiv(triton.cdiv(K, k_unit), split) * k_unit
     split = triton.cdiv(K, k_split)
     out_dtype = out_dtype or x.dtype
@@ -102,7 +108,7 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
                       device=x.device)
     args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), weight_row_globals(w), out,
             M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), bm)
-    if cuda:
+    if tune:
         _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args)
     else:
         _LINEAR[0][(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](*args, bn, bk, num_warps=4, num_stages=3)

@@ -14,8 +14,16 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from trace_lightning.kernels._common import dot_precision, mma_dtype, scale_bytes, sm_count, tuned
-from trace_lightning.kernels._fp4 import dequant_pairs
+from trace_lightning.kernels._common import (
+    GEMM_TILES,
+    autotune_on,
+    dot_precision,
+    mma_dtype,
+    scale_bytes,
+    sm_count,
+    tuned,
+)
+from trace_lightning.kernels._fp4 import dequant_tile
 from trace_lightning.kernels.linear import weight_row_globals
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows
 
@@ -60,21 +68,21 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOP
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_end = tl.where(live, D, 0)
     for k0 in range(0, k_end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=valid[:, None] & (rk[None, :] < D), other=0.0)
+        x = x.to(DTYPE)
         hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        xm = valid[:, None] & (hk[None, :] < D // 2)
-        xe = tl.load(x_ptr + tok[:, None] * D + 2 * hk[None, :], mask=xm, other=0.0).to(DTYPE)
-        xo = tl.load(x_ptr + tok[:, None] * D + 2 * hk[None, :] + 1, mask=xm, other=0.0).to(DTYPE)
-        wm = nmask[:, None] & (hk[None, :] < D // 2)
-        lo, hi = dequant_pairs(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=wm, other=0),
-                               tl.load(s_ptr + gate_rows[:, None] * (D // 16) + hk[None, :] // 8, mask=wm, other=0),
-                               DTYPE)
-        acc_g = tl.dot(xe, tl.trans(lo), acc_g, input_precision=PREC)
-        acc_g = tl.dot(xo, tl.trans(hi), acc_g, input_precision=PREC)
-        lo, hi = dequant_pairs(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=wm, other=0),
-                               tl.load(s_ptr + up_rows[:, None] * (D // 16) + hk[None, :] // 8, mask=wm, other=0),
-                               DTYPE)
-        acc_u = tl.dot(xe, tl.trans(lo), acc_u, input_precision=PREC)
-        acc_u = tl.dot(xo, tl.trans(hi), acc_u, input_precision=PREC)
+        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        pm = nmask[:, None] & (hk[None, :] < D // 2)
+        sm = nmask[:, None] & (sk[None, :] < D // 16)
+        wg = dequant_tile(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
+                          tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
+                          BLOCK_N, BLOCK_K, DTYPE)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
+        wu = dequant_tile(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
+                          tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
+                          BLOCK_N, BLOCK_K, DTYPE)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
     gate = acc_g * tl.load(g_ptr + gate_rows, mask=nmask, other=0.0)[None, :]
     up = acc_u * tl.load(g_ptr + up_rows, mask=nmask, other=0.0)[None, :]
     h = gate / (1.0 + tl.exp(-gate)) * up
@@ -90,7 +98,7 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
     live = e < E
     e = tl.where(live, e, 0).to(tl.int64)
     rows = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows < P
+    valid = rows < P  # tiles past the last expert hold only padding ids (== P)
     safe = tl.where(valid, rows, 0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < D
@@ -98,21 +106,26 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_end = tl.where(live, I, 0)
     for k0 in range(0, k_end, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
         hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        am = valid[:, None] & (hk[None, :] < I // 2)
-        if QUANT_A:  # the moe_down activation, NVFP4 per pair row, dequantized in registers
-            a_lo, a_hi = dequant_pairs(tl.load(a_ptr + safe[:, None] * (I // 2) + hk[None, :], mask=am, other=0),
-                                       tl.load(as_ptr + safe[:, None] * (I // 16) + hk[None, :] // 8, mask=am,
-                                               other=0), DTYPE)
+        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        if QUANT_A:
+            a = dequant_tile(
+                tl.load(a_ptr + safe[:, None] * (I // 2) + hk[None, :], mask=valid[:, None] & (hk[None, :] < I // 2),
+                        other=0),
+                tl.load(as_ptr + safe[:, None] * (I // 16) + sk[None, :],
+                        mask=valid[:, None] & (sk[None, :] < I // 16), other=0),
+                BLOCK_M, BLOCK_K, DTYPE)
         else:
-            a_lo = tl.load(a_ptr + safe[:, None] * I + 2 * hk[None, :], mask=am, other=0.0).to(DTYPE)
-            a_hi = tl.load(a_ptr + safe[:, None] * I + 2 * hk[None, :] + 1, mask=am, other=0.0).to(DTYPE)
-        wm = nmask[:, None] & (hk[None, :] < I // 2)
-        lo, hi = dequant_pairs(tl.load(w_ptr + w_rows[:, None] * (I // 2) + hk[None, :], mask=wm, other=0),
-                               tl.load(s_ptr + w_rows[:, None] * (I // 16) + hk[None, :] // 8, mask=wm, other=0),
-                               DTYPE)
-        acc = tl.dot(a_lo, tl.trans(lo), acc, input_precision=PREC)
-        acc = tl.dot(a_hi, tl.trans(hi), acc, input_precision=PREC)
+            a = tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=valid[:, None] & (rk[None, :] < I),
+                        other=0.0).to(DTYPE)
+        w = dequant_tile(
+            tl.load(w_ptr + w_rows[:, None] * (I // 2) + hk[None, :], mask=nmask[:, None] & (hk[None, :] < I // 2),
+                    other=0),
+            tl.load(s_ptr + w_rows[:, None] * (I // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < I // 16),
+                    other=0),
+            BLOCK_N, BLOCK_K, DTYPE)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     row_scale = tl.load(tw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
     if QUANT_A:
         row_scale = tl.load(ag_ptr + safe, mask=valid, other=0.0) * row_scale
@@ -120,13 +133,14 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
     tl.store(y_ptr + rows[:, None] * D + rn[None, :], y, mask=valid[:, None] & nmask[None, :])
 
 
-_CONFIGS = [
+_GATE_UP = tuned(_gate_up_kernel, [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-    for bn, bk, w, st in ((32, 128, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4),
-                          (128, 256, 8, 3))
-]
-_GATE_UP = tuned(_gate_up_kernel, _CONFIGS, key=["P", "D", "I", "BLOCK_M"])
-_DOWN = tuned(_down_kernel, _CONFIGS, key=["P", "D", "I", "BLOCK_M", "QUANT_A"])
+    for bn, bk, w, st in GEMM_TILES
+], key=["P", "D", "I", "BLOCK_M"])
+_DOWN = tuned(_down_kernel, [
+    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+    for bn, bk, w, st in GEMM_TILES
+], key=["P", "D", "I", "BLOCK_M", "QUANT_A"])
 
 
 def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) -> tuple[int, int]:
@@ -150,10 +164,10 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     block_m, block_n = moe_config(P, E, I, dev)
     sorted_ids, block_expert, blocks = align_pairs(topk_ids.to(torch.int64), E, block_m)
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
-    cuda = dev.type == "cuda"
+    tune = autotune_on(dev)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
             weight_row_globals(w13), h, P, k, E, D, I, dt, prec, block_m)
-    if cuda:
+    if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
     else:
         _GATE_UP[0][(blocks, triton.cdiv(I, block_n))](*args, block_n, 128, num_warps=4, num_stages=3)
@@ -164,7 +178,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), weight_row_globals(w2), y, P, E, D, I, q is not None, dt, prec,
             block_m)
-    if cuda:
+    if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
     else:
         _DOWN[0][(blocks, triton.cdiv(D, block_nd))](*args, block_nd, 128, num_warps=4, num_stages=3)

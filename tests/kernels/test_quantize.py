@@ -14,13 +14,20 @@ E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.fl
 TIES = [0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.1]
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical float32 tensors, any NaN equal to any NaN (CUDA's NaN bits need not be torch's)."""
+    a, b = a.cpu(), b.cpu()
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
 def assert_same(a: BlockFP4, b: BlockFP4) -> None:
     assert a.packed.shape == b.packed.shape and a.scales.dtype == b.scales.dtype
     assert torch.equal(a.packed.cpu(), b.packed.cpu()), "codes differ"
     assert torch.equal(a.scale_bytes().cpu(), b.scale_bytes().cpu()), "scale bytes differ"
     ga, gb = getattr(a, "global_scale", None), getattr(b, "global_scale", None)
     if ga is not None or gb is not None:
-        assert torch.equal(ga.cpu().view(torch.int32), gb.cpu().view(torch.int32)), "global scales differ"
+        assert same_bits(ga, gb), "global scales differ"
 
 
 def special_rows(block: int) -> torch.Tensor:
