@@ -48,8 +48,11 @@ class FP4Format:
             return quantize_mxfp4(x, self.mx_mode)
         if self.global_scale == "none":
             return quantize_nvfp4(x)
-        g = row_global_scale(x) if self.global_scale == "row" else tensor_global_scale(x, dims=min(2, x.dim()))
-        return quantize_nvfp4(x, g)
+        if self.global_scale == "row":
+            return quantize_nvfp4(x, row_global_scale(x))
+        # One scale per matrix, [..., 1, 1] for stacked experts [E, out, in] too.
+        g = tensor_global_scale(x, dims=min(2, x.dim()))
+        return quantize_nvfp4(x, g.unsqueeze(-1) if x.dim() >= 3 else g)
 
 
 def parse_format(fmt: FP4Format | str) -> FP4Format:
