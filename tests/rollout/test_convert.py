@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from trace_lightning.model import Transformer
-from trace_lightning.quant import FP4Format, quantize_mxfp4
+from trace_lightning.quant import FP4Format, fake_quantize, parse_format, quantize_mxfp4
 from trace_lightning.rollout import (
     Engine,
     FP4Experts,
@@ -88,3 +88,14 @@ def test_unquantized_engines_take_updates_too(model: Transformer, base_model: Tr
     out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
     assert engine.weight_checksums() == {} and out.policy_version == 3
     assert out.logprobs[0] == pytest.approx([-torch.log(torch.tensor(128.0)).item()] * 2)  # uniform logits
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp4:rceil"])
+@pytest.mark.parametrize("shape", [(96, 64), (4, 64, 32)])
+def test_converter_quantizes_like_the_trainers_fake_quant(fmt: str, shape: tuple[int, ...]) -> None:
+    """QAT's weight fake-quant (FP4Format.for_weights) and the converter give the same codes and values."""
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 3, shape[-1])
+    weights = parse_format(fmt).for_weights()
+    ours, theirs = quantize_weight(w, fmt), weights.quantize(w)
+    assert torch.equal(ours.packed, theirs.packed) and torch.equal(ours.scale_bytes(), theirs.scale_bytes())
+    assert torch.equal(ours.dequantize(), fake_quantize(w, weights))
