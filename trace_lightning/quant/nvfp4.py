@@ -56,12 +56,15 @@ def _check_global_scale(global_scale: Tensor | None, x: Tensor) -> Tensor | None
     g = global_scale.to(device=x.device, dtype=torch.float32)
     if g.dim() and g.shape[-1] != 1:
         raise ValueError(f"global_scale must be a scalar or have a trailing dim of 1, got shape {tuple(g.shape)}")
+    rows = x.shape[:-1] + (1,)
     try:
-        torch.broadcast_shapes(g.shape, x.shape[:-1] + (1,))
-    except RuntimeError as err:
+        fits = torch.broadcast_shapes(g.shape, rows) == rows  # must not add rows that x does not have
+    except RuntimeError:
+        fits = False
+    if not fits:
         raise ValueError(
             f"global_scale of shape {tuple(g.shape)} does not broadcast to input of shape {tuple(x.shape)}"
-        ) from err
+        )
     return g
 
 
