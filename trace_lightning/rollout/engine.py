@@ -68,9 +68,9 @@ class Engine:
         P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
         recorder = Recorder(capture, self._capture_layers(capture), B, S, c.n_layers, c.top_k, dev)
         hook, cache = self._hook(recorder if capture else None), self._cache(B, S, recorder if capture else None)
-        keys, lens_t = seed_keys(seeds, dev), torch.tensor(lens, device=dev)
-        max_new_t, last_pos = torch.tensor(max_new, device=dev), torch.tensor(lens, device=dev) + torch.tensor(
-            max_new, device=dev) - 1
+        keys = seed_keys(seeds, dev)
+        lens_t, max_new_t = torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev)
+        last_pos = lens_t + max_new_t - 1  # (B,) the last position a row may write
         stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=dev)
         draw = functools.partial(sample, keys=keys, temperature=params.temperature, top_k=params.top_k,
                                  top_p=params.top_p)
