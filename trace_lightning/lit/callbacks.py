@@ -105,7 +105,8 @@ class DepthSelectiveCompaction(L.Callback):
         layers = select_layers(policy, config.n_layers, layer_bytes_per_token(config, module.fmt, mode), audit)
         worker.record_layers = layers if module.method.records else []
         every = module.trace.audit_every if self.audit_every is None else self.audit_every
-        worker.audit_next = bool(every) and (module.global_step + 1) % every == 0 and module.method.rollout_fp4
+        # trainer.global_step is the index of the next step to run (at fit start and after each step).
+        worker.audit_next = bool(every) and module.global_step % every == 0 and module.method.rollout_fp4
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
         self._apply(module)

@@ -9,6 +9,7 @@ WeightSync callback streams the new weights to the worker.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -33,6 +34,13 @@ from trace_lightning.rl import (
     policy_loss,
     token_logprobs,
 )
+
+
+def _as_config(cls: type, value: Any) -> Any:
+    """A config dataclass from None (defaults), a dict (a loaded checkpoint's hparams) or an instance."""
+    if value is None:
+        return cls()
+    return cls(**value) if isinstance(value, dict) else value
 
 
 class NonFiniteError(RuntimeError):
@@ -96,8 +104,12 @@ class PolicyModule(L.LightningModule):
                 on 1: their ops are too small to split, and spinning threads collapse under CPU contention.
         """
         super().__init__()
-        self.trace, self.rollout_cfg, self.rl = trace or TraceConfig(), rollout or RolloutConfig(), rl or RLConfig()
-        self.save_hyperparameters()
+        self.trace = _as_config(TraceConfig, trace)
+        self.rollout_cfg = _as_config(RolloutConfig, rollout)
+        self.rl = _as_config(RLConfig, rl)
+        # Plain dicts in the checkpoint, so it loads with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["trace", "rollout", "rl"])
+        self.hparams.update(trace=asdict(self.trace), rollout=asdict(self.rollout_cfg), rl=asdict(self.rl))
         self.method: MethodSpec = get_method(self.trace.method)
         self.fmt = parse_format(self.trace.fmt)
         self.correction = self.rl.correction or self.method.correction

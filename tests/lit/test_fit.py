@@ -1,0 +1,103 @@
+"""A few-step fit on CPU: logged scalars exist and are finite, resume reproduces the next step, NaN stops it."""
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from trace_lightning.lit.batch import TrainBatch
+from trace_lightning.lit.callbacks import default_callbacks
+from trace_lightning.lit.config import RolloutConfig, TraceConfig
+from trace_lightning.lit.data import RLDataModule
+from trace_lightning.lit.policy import NonFiniteError, PolicyModule
+from trace_lightning.rl import MISMATCH_KEYS, mismatch_metrics
+
+
+class StepRecorder(L.Callback):
+    """Keeps each RL step's loss, reward and k3_kl, and every logged scalar name."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, float]] = {}
+        self.names: set[str] = set()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.names |= set(trainer.callback_metrics)
+        if isinstance(batch, TrainBatch):
+            k3 = mismatch_metrics(outputs["logprobs"], batch.rollout_logprobs, batch.response_mask)["mismatch/k3_kl"]
+            self.steps[trainer.global_step - 1] = {  # global_step already counts this step
+                "loss": float(outputs["loss"]),
+                "reward": float(batch.rewards.mean()),
+                "k3_kl": float(k3),
+            }
+
+
+def _fit(tmp_path: Path, max_steps: int, method: str = "trace_compact", ckpt: str | None = None,
+         save: bool = False) -> tuple[PolicyModule, StepRecorder, L.Trainer]:
+    module = PolicyModule(
+        trace=TraceConfig(method=method, audit_every=2),
+        rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3),
+        warmup_steps=2,
+        cpu_threads=1,
+    )
+    data = RLDataModule(env="arithmetic", demo_batch_size=8, eval_size=8)
+    recorder = StepRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=[*default_callbacks(), recorder],
+        logger=L.pytorch.loggers.TensorBoardLogger(tmp_path, name="fit"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt)
+    if save:
+        trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    return module, recorder, trainer
+
+
+def test_short_fit_logs_finite_mismatch_and_agreement_metrics(tmp_path: Path) -> None:
+    module, recorder, _ = _fit(tmp_path, max_steps=5)
+    assert sorted(recorder.steps) == [2, 3, 4]
+    for key in (*MISMATCH_KEYS, "reward/mean", "train/loss", "guidance/bytes_per_token", "moe/route_agreement",
+                "quant/code_agreement", "quant/value_agreement", "rollout/tokens_per_s", "train/sft_loss"):
+        assert key in recorder.names, key
+    for step in recorder.steps.values():
+        assert all(math.isfinite(v) for v in step.values())
+    assert module.policy_version == 5
+    assert module.worker.policy_version == 5
+
+
+def test_resume_gives_the_same_next_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    _, full, _ = _fit(tmp_path / "a", max_steps=5)
+    torch.manual_seed(0)
+    _fit(tmp_path / "b", max_steps=4, save=True)
+    _, resumed, _ = _fit(tmp_path / "c", max_steps=5, ckpt=str(tmp_path / "b" / "mid.ckpt"))
+    assert sorted(resumed.steps) == [4]
+    for key in ("loss", "reward", "k3_kl"):
+        assert resumed.steps[4][key] == pytest.approx(full.steps[4][key], rel=1e-5, abs=1e-7), key
+
+
+def test_non_finite_activation_stops_with_step_layer_and_site(tmp_path: Path) -> None:
+    module = PolicyModule(rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=2),
+                          warmup_steps=0, cpu_threads=1)
+    data = RLDataModule(env="arithmetic", demo_batch_size=4, eval_size=4)
+
+    class PoisonTrainingWeights(L.Callback):
+        """NaN into the trainer's copy only, after the worker holds good weights."""
+
+        def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            with torch.no_grad():
+                module.policy.layers[1].attn.wo.weight.fill_(float("nan"))
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        callbacks=[*default_callbacks(), PoisonTrainingWeights()],
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    with pytest.raises(NonFiniteError, match=r"step 0: .*layer \d+.*site"):
+        trainer.fit(module, datamodule=data)
