@@ -46,3 +46,11 @@ def test_bad_type_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> No
 def test_unknown_method_names_the_choices() -> None:
     with pytest.raises(ValueError, match="trace.method"):
         _parse(CONF / "sim.yaml", extra=("--model.trace.method", "fp3"))
+
+
+@pytest.mark.parametrize("preset", sorted((CONF / "model").glob("*.yaml")), ids=lambda p: p.stem)
+def test_model_presets_parse(preset: Path) -> None:
+    # Parse only: building a 190M-parameter model is not what this test is about.
+    cli = _parse(CONF / "sim.yaml")
+    namespace = cli.parser.parse_args(["--config", str(CONF / "sim.yaml"), "--config", str(preset)])
+    assert namespace.model.cpu_threads == 0
