@@ -57,3 +57,12 @@ def autotune_on(device: torch.device) -> bool:
     """Autotune block shapes on CUDA when TRACE_LIGHTNING_AUTOTUNE=1 (benchmarks, long rollouts); tests and the
     interpreter use the fixed heuristic shapes (autotuning runs every config once per new shape)."""
     return device.type == "cuda" and os.environ.get("TRACE_LIGHTNING_AUTOTUNE", "0") == "1"
+
+
+def swap_ab() -> bool:
+    """Compute out^T = dequant(w) @ x^T in the W4A16 GEMMs (default; TRACE_LIGHTNING_SWAP_AB=0 for x @ w^T).
+
+    Swapped, the dequantized weight tile is the MMA's A operand, which Hopper's wgmma reads from registers,
+    and the weight rows fill its 64-row M side even at decode batch sizes; unswapped it is the B operand,
+    which must go through shared memory, and M = 16 token rows is below wgmma's minimum tile."""
+    return os.environ.get("TRACE_LIGHTNING_SWAP_AB", "1") != "0"

@@ -21,6 +21,7 @@ from trace_lightning.kernels._common import (
     mma_dtype,
     scale_bytes,
     sm_count,
+    swap_ab,
     tuned,
 )
 from trace_lightning.kernels._fp4 import dequant_tile
@@ -30,12 +31,15 @@ from trace_lightning.quant import NVFP4
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
-                   DTYPE: tl.constexpr, PREC: tl.constexpr,
+                   DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP:  # out^T = w @ x^T: the dequantized tile is the MMA's A operand (registers), x^T the B (shared)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_SPLIT
     for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -47,11 +51,19 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
         s = tl.load(s_ptr + rn[:, None] * (K // 16) + sk[None, :], mask=(rn[:, None] < N) & (sk[None, :] < K // 16),
                     other=0)
         w = dequant_tile(p, s, BLOCK_N, BLOCK_K, DTYPE)
-        acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PREC)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x.to(DTYPE)), acc, input_precision=PREC)
+        else:
+            acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PREC)
     g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)
-    acc = acc * g[None, :]
-    out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    if SWAP:
+        acc = acc * g[:, None]
+        out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
+    else:
+        acc = acc * g[None, :]
+        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 _LINEAR = tuned(_linear_kernel, [
@@ -107,7 +119,7 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
     out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else out_dtype,
                       device=x.device)
     args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), weight_row_globals(w), out,
-            M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), bm)
+            M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64, bm)
     if tune:
         _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args)
     else:

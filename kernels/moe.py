@@ -21,6 +21,7 @@ from trace_lightning.kernels._common import (
     mma_dtype,
     scale_bytes,
     sm_count,
+    swap_ab,
     tuned,
 )
 from trace_lightning.kernels._fp4 import dequant_tile
@@ -51,7 +52,7 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOPK, E, D, I,
-                    DTYPE: tl.constexpr, PREC: tl.constexpr,
+                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -64,8 +65,12 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOP
     nmask = rn < I
     gate_rows = e * 2 * I + rn
     up_rows = gate_rows + I
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP:  # transposed accumulators: the dequantized weight is the MMA's register A operand
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_end = tl.where(live, D, 0)
     for k0 in range(0, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -78,20 +83,32 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOP
         wg = dequant_tile(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
                           tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
                           BLOCK_N, BLOCK_K, DTYPE)
-        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
+        if SWAP:
+            acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
+        else:
+            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
         wu = dequant_tile(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
                           tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
                           BLOCK_N, BLOCK_K, DTYPE)
-        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
-    gate = acc_g * tl.load(g_ptr + gate_rows, mask=nmask, other=0.0)[None, :]
-    up = acc_u * tl.load(g_ptr + up_rows, mask=nmask, other=0.0)[None, :]
-    h = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(h_ptr + rows[:, None] * I + rn[None, :], h, mask=valid[:, None] & nmask[None, :])
+        if SWAP:
+            acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
+        else:
+            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
+    if SWAP:
+        gate = acc_g * tl.load(g_ptr + gate_rows, mask=nmask, other=0.0)[:, None]
+        up = acc_u * tl.load(g_ptr + up_rows, mask=nmask, other=0.0)[:, None]
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(h_ptr + rows[None, :] * I + rn[:, None], h, mask=valid[None, :] & nmask[:, None])
+    else:
+        gate = acc_g * tl.load(g_ptr + gate_rows, mask=nmask, other=0.0)[None, :]
+        up = acc_u * tl.load(g_ptr + up_rows, mask=nmask, other=0.0)[None, :]
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(h_ptr + rows[:, None] * I + rn[None, :], h, mask=valid[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, y_ptr, P, E, D, I,
-                 QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
+                 QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -103,7 +120,10 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < D
     w_rows = e * D + rn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_end = tl.where(live, I, 0)
     for k0 in range(0, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -125,12 +145,19 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
             tl.load(s_ptr + w_rows[:, None] * (I // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < I // 16),
                     other=0),
             BLOCK_N, BLOCK_K, DTYPE)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     row_scale = tl.load(tw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
     if QUANT_A:
         row_scale = tl.load(ag_ptr + safe, mask=valid, other=0.0) * row_scale
-    y = acc * tl.load(g_ptr + w_rows, mask=nmask, other=0.0)[None, :] * row_scale[:, None]
-    tl.store(y_ptr + rows[:, None] * D + rn[None, :], y, mask=valid[:, None] & nmask[None, :])
+    if SWAP:
+        y = acc * tl.load(g_ptr + w_rows, mask=nmask, other=0.0)[:, None] * row_scale[None, :]
+        tl.store(y_ptr + rows[None, :] * D + rn[:, None], y, mask=valid[None, :] & nmask[:, None])
+    else:
+        y = acc * tl.load(g_ptr + w_rows, mask=nmask, other=0.0)[None, :] * row_scale[:, None]
+        tl.store(y_ptr + rows[:, None] * D + rn[None, :], y, mask=valid[:, None] & nmask[None, :])
 
 
 _GATE_UP = tuned(_gate_up_kernel, [
@@ -166,7 +193,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
     tune = autotune_on(dev)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
-            weight_row_globals(w13), h, P, k, E, D, I, dt, prec, block_m)
+            weight_row_globals(w13), h, P, k, E, D, I, dt, prec, swap_ab(), block_m)
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
     else:
@@ -177,7 +204,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     block_nd = moe_config(P, E, D, dev)[1]
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), weight_row_globals(w2), y, P, E, D, I, q is not None, dt, prec,
-            block_m)
+            swap_ab(), block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
     else:

@@ -36,3 +36,14 @@ def test_fp4_linear_global_shapes(device: str) -> None:
     for g in (None, torch.tensor(0.02), torch.rand(32, 1, generator=gen) * 0.02):
         q = quantize_nvfp4(w, None if g is None else g.to(device))
         assert rel_err(kernels.fp4_linear(x, q), sim.fp4_linear(x, q)) < 1e-6
+
+
+@pytest.mark.parametrize("swap", ["0", "1"])
+def test_fp4_linear_both_operand_orders(device: str, swap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACE_LIGHTNING_SWAP_AB", swap)  # 1: out^T = w @ x^T (default), 0: x @ w^T
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(20, 256, generator=gen).to(device)
+    w = quantize_weight(torch.randn(70, 256, generator=gen).to(device))
+    ref = sim.fp4_linear(x, w, out_dtype=torch.float32)
+    assert rel_err(kernels.fp4_linear(x, w), ref) < 1e-6
+    assert rel_err(linear(x, w, torch.float32, split_k=2), ref) < 1e-5

@@ -67,3 +67,13 @@ def test_backends_expose_the_same_ops() -> None:
         positional = [p for p in inspect.signature(getattr(sim, name)).parameters.values()
                       if p.kind is not inspect.Parameter.KEYWORD_ONLY]  # sim-only numerics options are keyword-only
         assert [p.name for p in positional] == list(inspect.signature(getattr(kernels, name)).parameters), name
+
+
+@pytest.mark.parametrize("swap", ["0", "1"])
+def test_fp4_moe_both_operand_orders(device: str, swap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACE_LIGHTNING_SWAP_AB", swap)  # 1: transposed products (default), 0: x @ w^T
+    x, w13, w2, ids, weights = problem(9, 64, 48, 6, 2, device, seed=5)
+    out, q = kernels.fp4_moe(x, w13, w2, ids, weights)
+    ref, q_ref = sim.fp4_moe(x, w13, w2, ids, weights)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert (q.codes() == q_ref.codes()).float().mean() > 0.99
