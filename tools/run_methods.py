@@ -1,8 +1,8 @@
 """Run the simulator RL fit for each training method and write a results table and curves.
 
-All methods share one supervised warm start (trained once, then each method resumes from its
-checkpoint), so they differ only in the RL phase: how the rollout quantizes and how training
-follows it. Results go to docs/results.md (section "RL runs") and docs/figures/*.png.
+All methods share one supervised warm start (trained once and kept under --out; each method then
+starts from its weights with `--model.init_from`), so they differ only in the RL phase: how the
+rollout quantizes and how training follows it. Results go to docs/results.md (section "RL runs") and docs/figures/*.png.
 
     python tools/run_methods.py --methods bf16 fp4_naive fp4_qat fp4_qat_tis trace trace_compact \
         --seeds 0 --warmup-steps 250 --rl-steps 100
@@ -39,13 +39,14 @@ def latest_version(save_dir: Path, name: str) -> str:
     return max(glob.glob(str(save_dir / name / "version_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
 
 
-def run_method(method: str, seed: int, warm_ckpt: Path, out: Path, warmup: int, rl_steps: int) -> dict:
+def run_method(method: str, seed: int, warm_ckpt: Path, out: Path, rl_steps: int) -> dict:
     name = f"{method}_s{seed}"
     fit([
-        "--model.trace.method", method, "--model.seed", str(seed), "--model.warmup_steps", str(warmup),
-        "--trainer.max_steps", str(warmup + rl_steps), "--trainer.val_check_interval", str(rl_steps // 2),
+        "--model.trace.method", method, "--model.seed", str(seed), "--model.warmup_steps", "0",
+        "--model.init_from", str(warm_ckpt), "--trainer.max_steps", str(rl_steps),
+        "--trainer.val_check_interval", str(rl_steps // 2),
         "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", name,
-        "--trainer.enable_checkpointing", "false", "--ckpt_path", str(warm_ckpt),
+        "--trainer.enable_checkpointing", "false",
     ])
     s = scalars(latest_version(out, name))
     reward = [v for _, v in s.get("reward/mean", [])]
@@ -88,8 +89,9 @@ def write_results(results: list[dict], command: str, warmup: int, rl_steps: int)
     lines = [
         SECTION,
         "",
-        f"Command: `{command}` (2026-12-02, 2-core CPU, debug-moe, arithmetic; {warmup} shared warm-start steps,",
-        f"then {rl_steps} RL steps). `ptq` = the bf16 method's policy quantized post hoc by the FP4 engine.",
+        f"Command: `{command}` (2026-12-02, 2-core CPU shared with other jobs, debug-moe, arithmetic; {warmup}",
+        f"shared warm-start steps, then {rl_steps} RL steps per method). `ptq` = the bf16 method's policy",
+        "quantized post hoc by the FP4 engine.",
         "",
         "| method | seed | reward (first 5 RL steps) | final reward | mean k3_kl | FP4 accuracy | BF16 accuracy |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -121,12 +123,13 @@ def main() -> None:
     results = []
     for seed in args.seeds:
         warm = args.out / f"warm_s{seed}"
-        fit(["--model.seed", str(seed), "--model.warmup_steps", str(args.warmup_steps),
-             "--trainer.max_steps", str(args.warmup_steps), "--trainer.logger.init_args.save_dir", str(warm),
-             "--trainer.val_check_interval", str(args.warmup_steps)])
+        if not glob.glob(str(warm / "sim" / "version_*" / "checkpoints" / "*.ckpt")):
+            fit(["--model.seed", str(seed), "--model.warmup_steps", str(args.warmup_steps),
+                "--trainer.max_steps", str(args.warmup_steps), "--trainer.logger.init_args.save_dir", str(warm),
+                "--trainer.val_check_interval", str(args.warmup_steps)])
         ckpt = Path(max(glob.glob(str(warm / "sim" / "version_*" / "checkpoints" / "*.ckpt")), key=os.path.getmtime))
         for method in args.methods:
-            results.append(run_method(method, seed, ckpt, args.out, args.warmup_steps, args.rl_steps))
+            results.append(run_method(method, seed, ckpt, args.out, args.rl_steps))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "curves"}), flush=True)
     for key, name in (("reward", "rl_reward.png"), ("k3_kl", "rl_k3_kl.png")):
         plot(results, key, ROOT / "docs" / "figures" / name)

@@ -73,6 +73,17 @@ def build_policy(model: str, checkpoint: str | None) -> tuple[Transformer, Any]:
     return Transformer(config), tokenizer
 
 
+def load_policy_weights(policy: Transformer, path: str) -> None:
+    """Load the `policy.*` weights of a trace-rl Lightning checkpoint, all or nothing."""
+    state = torch.load(path, map_location="cpu", weights_only=True).get("state_dict", {})
+    weights = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
+    if not weights:
+        raise ValueError(f"{path} holds no policy weights (expected 'policy.*' keys in its state_dict)")
+    missing, unexpected = policy.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
 class PolicyModule(L.LightningModule):
     """GRPO-style RL of an MoE policy whose rollouts run in FP4."""
 
@@ -88,6 +99,7 @@ class PolicyModule(L.LightningModule):
         warmup_steps: int = 200,
         seed: int = 0,
         cpu_threads: int = 0,
+        init_from: str | None = None,
     ) -> None:
         """
         Args:
@@ -102,6 +114,9 @@ class PolicyModule(L.LightningModule):
             seed: Seed of the initial weights and of every rollout.
             cpu_threads: torch intra-op threads (0 keeps torch's default). Tiny simulator models run fastest
                 on 1: their ops are too small to split, and spinning threads collapse under CPU contention.
+            init_from: Start from the policy weights of a trace-rl checkpoint (e.g. a shared warm start) with
+                this run's own settings; step and optimizer start fresh. (`--ckpt_path` instead resumes a run,
+                and LightningCLI then takes the run's settings from the checkpoint.)
         """
         super().__init__()
         self.trace = _as_config(TraceConfig, trace)
@@ -130,6 +145,8 @@ class PolicyModule(L.LightningModule):
             torch.set_num_threads(cpu_threads)
         torch.manual_seed(seed)
         self.policy, self.tokenizer = build_policy(model, checkpoint)
+        if init_from:
+            load_policy_weights(self.policy, init_from)
         self.policy_version = 0
         self.warmup_steps, self.seed = warmup_steps, seed
         # The worker holds its own (FP4) copy of the weights; keep it out of this module's parameters.
