@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from trace_lightning.quant.e2m1 import E2M1_MAX, check_float_input, decode_e2m1, encode_e2m1, pack_fp4, unpack_fp4
+from trace_lightning.quant.e2m1 import check_float_input, decode_e2m1, encode_e2m1, pack_fp4, unpack_fp4
 
 
 def split_blocks(x: Tensor, block_size: int) -> Tensor:
@@ -64,6 +64,8 @@ class BlockFP4:
 
 
 def encode_scaled(scaled: Tensor) -> Tensor:
-    """Clamp scaled blocks [..., nb, block] to the E2M1 range and encode them: packed codes [..., K/2]."""
-    y = torch.clamp(scaled, -E2M1_MAX, E2M1_MAX)
-    return pack_fp4(encode_e2m1(y).flatten(-2))
+    """Encode scaled blocks [..., nb, block]: packed codes [..., K/2].
+
+    The quantizers' clamp to +-6 is left to the codec, which saturates (and keeps NaN at code 7) by itself.
+    """
+    return pack_fp4(encode_e2m1(scaled).flatten(-2))

@@ -14,8 +14,10 @@ from torch import Tensor
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Doubled grid values 0,1,2,3,4,6,8,12 -> magnitude index; other entries are never hit.
-_DOUBLED_TO_INDEX = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
+# Decision thresholds between neighbouring magnitudes. A tie rounds to the even (mantissa 0) neighbour:
+# down at 0.25, 1.25, 2.5 and 5, up at 0.75, 1.75 and 3.5.
+_TIES_ROUND_DOWN = (0.25, 1.25, 2.5, 5.0)
+_TIES_ROUND_UP = (0.75, 1.75, 3.5)
 _CODE_TO_VALUE = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -37,14 +39,18 @@ def encode_e2m1(x: Tensor) -> Tensor:
     """
     check_float_input(x)
     x = x.float()
-    nan = torch.isnan(x)
-    mag = torch.clamp(x.abs(), max=E2M1_MAX).masked_fill_(nan, E2M1_MAX)
-    # The grid step is 0.5 below 2, 1 below 4, and 2 up to 6; torch.round is round-half-even.
-    inv_step = torch.where(mag < 2.0, 2.0, torch.where(mag < 4.0, 1.0, 0.5))
-    doubled = torch.round(mag * inv_step).div_(inv_step).mul_(2.0).to(torch.uint8)
-    codes = _DOUBLED_TO_INDEX.to(x.device)[doubled.long()]
-    negative = torch.signbit(x) & ~nan
-    return codes | (negative.to(torch.uint8) << 3)
+    mag = x.abs()
+    # The magnitude index counts the thresholds mag passes: 7 minus those it does not. Every comparison
+    # is false for inf and NaN, so both saturate at index 7 without a clamp. One reused bool buffer
+    # keeps large inputs from paying for a fresh allocation per threshold.
+    not_passed = (mag <= _TIES_ROUND_DOWN[0]).to(torch.uint8)
+    buffer = torch.empty_like(mag, dtype=torch.bool)
+    for threshold in _TIES_ROUND_DOWN[1:]:
+        not_passed += torch.le(mag, threshold, out=buffer)
+    for threshold in _TIES_ROUND_UP:
+        not_passed += torch.lt(mag, threshold, out=buffer)
+    negative = torch.signbit(x).logical_and_(torch.eq(x, x, out=buffer))  # NaN keeps the positive code
+    return not_passed.neg_().add_(7) | (negative.to(torch.uint8) << 3)
 
 
 def decode_e2m1(codes: Tensor) -> Tensor:
