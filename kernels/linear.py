@@ -25,6 +25,7 @@ from trace_lightning.kernels._common import (
     tuned,
 )
 from trace_lightning.kernels._fp4 import dequant_tile
+from trace_lightning.sim._weights import row_globals as weight_row_globals
 
 from trace_lightning.quant import NVFP4
 
@@ -70,22 +71,6 @@ _LINEAR = tuned(_linear_kernel, [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
     for bn, bk, w, st in GEMM_TILES
 ], key=["M", "N", "K", "K_SPLIT"])
-
-
-def weight_row_globals(w: NVFP4) -> Tensor:
-    """float32 [..., N] per-row global scales (ones when the weight has none); see sim._weights.row_globals."""
-    lead = tuple(w.packed.shape[:-1])
-    g = w.global_scale
-    if g is None:
-        return torch.ones(lead, dtype=torch.float32, device=w.packed.device)
-    g = g.to(device=w.packed.device, dtype=torch.float32)
-    if g.numel() == 1:
-        return g.reshape(()).expand(lead).contiguous()
-    if len(lead) >= 2 and g.numel() == lead[0]:
-        return g.reshape(lead[0], *([1] * (len(lead) - 1))).expand(lead).contiguous()
-    if g.numel() == torch.Size(lead).numel():
-        return g.reshape(lead).contiguous()
-    raise ValueError(f"weight global scale of shape {tuple(g.shape)} does not fit weight rows {lead}")
 
 
 def linear_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -66,3 +68,15 @@ def add_bw(rep: Report, op: str, shape: str, ms: float, nbytes: int, **extra: An
 def nvfp4_bytes(rows: int, cols: int) -> int:
     """Bytes of an NVFP4 matrix: packed codes, E4M3 scales, one float32 global per row."""
     return rows * cols // 2 + rows * cols // 16 + rows * 4
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(warmup + rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}

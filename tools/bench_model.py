@@ -11,28 +11,15 @@ Usage: ``python tools/bench_model.py [--rounds 15 --small-layers 2]``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
+from _bench import interleaved_medians
 
 from trace_lightning.model import Transformer, save_hf
 
 SHAPES = ((4, 128), (16, 8))  # (batch, seq): prefill-sized, and a small overhead-bound forward
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(warmup + rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if r >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 @torch.inference_mode()
@@ -55,7 +42,7 @@ def bench(name: str, n_layers: int | None, rounds: int) -> list[tuple[str, ...]]
             key = f"transformers Qwen3Moe ({experts} experts)"
             fns[key] = lambda x=x, model=model: model(x).logits
             diffs[key] = (model(x).logits - ref).abs().max().item()
-        medians = interleaved_medians(fns, rounds)
+        medians = interleaved_medians(fns, rounds, warmup=3)
         label = f"{name} ({ours.config.n_layers} layers)"
         for impl, seconds in medians.items():
             speedup = medians[impl] / medians["trace_lightning"]

@@ -10,29 +10,16 @@ Usage: ``python tools/bench_quant.py [--rows 8192 --cols 8192 --rounds 5]``.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 from collections.abc import Callable
 
 import torch
+from _bench import interleaved_medians
 from torch import Tensor
 
 from trace_lightning.quant import quantize_mxfp4, quantize_nvfp4, row_global_scale
 
 Quantizer = Callable[[Tensor], tuple[Tensor, Tensor]]
-
-
-def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each function, timed round-robin."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(warmup + rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if r >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def pairs() -> dict[str, tuple[Quantizer, Quantizer]]:
