@@ -101,3 +101,13 @@ def test_non_finite_activation_stops_with_step_layer_and_site(tmp_path: Path) ->
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     with pytest.raises(NonFiniteError, match=r"step 0: .*layer \d+.*site"):
         trainer.fit(module, datamodule=data)
+
+
+def test_predict_from_a_checkpoint_samples_with_its_weights(tmp_path: Path) -> None:
+    trained, _, _ = _fit(tmp_path, max_steps=3, save=True)
+    module = PolicyModule(rollout=RolloutConfig(max_new_tokens=3), cpu_threads=1)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, limit_predict_batches=1)
+    rows = trainer.predict(module, datamodule=RLDataModule(eval_size=4), ckpt_path=str(tmp_path / "mid.ckpt"))
+    assert module.worker.policy_version == trained.policy_version == 3
+    assert module.worker.weight_checksums() == trained.worker.weight_checksums()
+    assert rows and set(rows[0][0]) == {"prompt", "response", "answer"}

@@ -9,6 +9,7 @@ WeightSync callback streams the new weights to the worker.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from typing import Any
 
@@ -252,7 +253,13 @@ class PolicyModule(L.LightningModule):
         worker.sync(self.named_weights_for_sync(), self.policy_version)
         return worker
 
+    def _worker_up_to_date(self) -> None:
+        """A standalone validate/predict loads weights after the worker was built: sync it once."""
+        if self.worker.policy_version != self.policy_version or self.trainer.state.fn != "fit":
+            self.worker.sync(self.named_weights_for_sync(), self.policy_version)
+
     def on_validation_epoch_start(self) -> None:
+        self._worker_up_to_date()
         self._eval = {"eval/accuracy": self._eval_worker("fp4_naive"), "eval/bf16_accuracy": self._eval_worker("bf16")}
         self._eval_hits: dict[str, list[float]] = {key: [] for key in self._eval}
 
@@ -271,8 +278,14 @@ class PolicyModule(L.LightningModule):
             hits = self._eval_hits["eval/accuracy"]
             self.log("eval/ptq_accuracy", sum(hits) / len(hits))
 
+    def on_predict_start(self) -> None:
+        self._worker_up_to_date()
+
     def predict_step(self, batch: list[Problem], batch_idx: int) -> list[dict[str, Any]]:
-        return self.worker.predict_step(batch, batch_idx)
+        rows = self.worker.predict_step(batch, batch_idx)
+        for row in rows:  # `trace-rl predict` prints one JSON line per sample
+            print(json.dumps(row))
+        return rows
 
     # ---- checkpoint state -----------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
