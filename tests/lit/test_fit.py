@@ -111,3 +111,18 @@ def test_predict_from_a_checkpoint_samples_with_its_weights(tmp_path: Path) -> N
     assert module.worker.policy_version == trained.policy_version == 3
     assert module.worker.weight_checksums() == trained.worker.weight_checksums()
     assert rows and set(rows[0][0]) == {"prompt", "response", "answer"}
+
+
+def test_weight_sync_audit_fails_loudly_when_rollout_bytes_differ() -> None:
+    from trace_lightning.lit.callbacks import WeightSync, WeightSyncError
+
+    module = PolicyModule(cpu_threads=1)
+    named = module.named_weights_for_sync()
+    module.worker.sync(named, 0)
+    assert WeightSync.audit(module, named) > 0
+    stale = {k: v.clone() for k, v in named.items()}
+    key = next(k for k in stale if k.endswith("attn.wo.weight"))
+    stale[key] = stale[key] * 1.5  # the worker now holds other weights than the trainer audits against
+    module.worker.sync(stale, 1)
+    with pytest.raises(WeightSyncError, match="attn.wo"):
+        WeightSync.audit(module, named)
