@@ -26,5 +26,10 @@ def main(args: list[str] | None = None, run: bool = True) -> TraceCLI:
     )
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The `trace-rl` console script (returns nothing, so the exit status is 0 on success)."""
     main()
+
+
+if __name__ == "__main__":
+    entry()
