@@ -8,6 +8,7 @@ dequantizes each block (`block_multiplier`).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,7 +27,7 @@ def split_blocks(x: Tensor, block_size: int) -> Tensor:
 
 
 @dataclass
-class BlockFP4:
+class BlockFP4(ABC):
     """Packed E2M1 codes [..., K/2] and per-block scales [..., K/block]."""
 
     packed: Tensor
@@ -45,17 +46,17 @@ class BlockFP4:
         """The block scales as their uint8 bit patterns."""
         return self.scales.view(torch.uint8)
 
+    @abstractmethod
     def block_multiplier(self) -> Tensor:
         """float32 [..., K/block]: the factor that turns a block's E2M1 values into real values."""
-        raise NotImplementedError
 
+    @abstractmethod
     def scale_input(self, blocks: Tensor) -> Tensor:
         """Map float32 blocks [..., nb, block] into E2M1 units with this tensor's scales."""
-        raise NotImplementedError
 
+    @abstractmethod
     def with_codes(self, codes: Tensor) -> BlockFP4:
         """A copy holding other codes under the same scales."""
-        raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         values = decode_e2m1(self.codes()).reshape(*self.shape[:-1], -1, self.block_size)
