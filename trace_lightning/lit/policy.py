@@ -49,18 +49,13 @@ class NonFiniteError(RuntimeError):
 
 
 class FiniteCheckHook(QuantHook):
-    """Wraps a hook (or the identity) and stops at the first non-finite activation, naming layer and site."""
-
-    def __init__(self, inner: QuantHook | None) -> None:
-        self.inner = inner or QuantHook()
+    """The identity at every site, but stops at the first non-finite activation (the quantizing hooks check
+    this themselves), so unquantized methods fail with the same error naming layer and site."""
 
     def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
         if not bool(torch.isfinite(x).all()):
-            raise NonFiniteActivationError(f"non-finite activation at layer {layer}, site {site}")
-        return self.inner.activation(x, layer=layer, site=site)
-
-    def weight(self, w: Tensor, *, layer: int, name: str) -> Tensor:
-        return self.inner.weight(w, layer=layer, name=name)
+            raise NonFiniteActivationError.at(layer, site)
+        return x
 
 
 def build_policy(model: str, checkpoint: str | None) -> tuple[Transformer, Any]:
@@ -209,7 +204,7 @@ class PolicyModule(L.LightningModule):
             out = self.policy(
                 batch.tokens[:, :-1],
                 attention_mask=batch.attention_mask[:, :-1],
-                hook=FiniteCheckHook(hook),
+                hook=hook or FiniteCheckHook(),
                 routed=routed,
                 return_routes=True,
             )

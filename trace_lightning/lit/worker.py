@@ -147,18 +147,15 @@ class RolloutWorker(L.LightningModule):
         return list(out.unbind(0))
 
     def _attach_records(self, batch: TrainBatch, out: RolloutBatch, capture: CaptureSpec) -> None:
-        mode = self.method.guidance_mode or "full"
+        """Build each sequence's full record once; the guidance record is its compaction (mode, layers)."""
         start = time.perf_counter()
+        full = [QuantRecord.from_captures(c, r, out.policy_version, mode="full")
+                for c, r in zip(out.captures, out.routes, strict=True)]
         if self.method.records:
-            batch.records = [
-                QuantRecord.from_captures(c, r, out.policy_version, mode=mode, layers=sorted(self.record_layers))
-                for c, r in zip(out.captures, out.routes, strict=True)
-            ]
+            mode = self.method.guidance_mode or "full"
+            batch.records = [f.compact(mode, layers=self.record_layers) for f in full]
         if self.audit_next:
-            batch.audit_records = [
-                QuantRecord.from_captures(c, r, out.policy_version, mode="full", layers=sorted(capture.layers))
-                for c, r in zip(out.captures, out.routes, strict=True)
-            ]
+            batch.audit_records = full
         batch.rollout_stats["guidance/capture_ms"] = 1000 * (time.perf_counter() - start)
 
     def predict_step(self, batch: list[Problem], batch_idx: int) -> list[dict[str, Any]]:
