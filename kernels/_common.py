@@ -66,3 +66,10 @@ def swap_ab() -> bool:
     and the weight rows fill its 64-row M side even at decode batch sizes; unswapped it is the B operand,
     which must go through shared memory, and M = 16 token rows is below wgmma's minimum tile."""
     return os.environ.get("TRACE_LIGHTNING_SWAP_AB", "1") != "0"
+
+
+def fast_dequant(dtype: torch.dtype, device: torch.device) -> bool:
+    """Dequantize with packed bf16x2 inline PTX (bf16 operands on CUDA; TRACE_LIGHTNING_FAST_DEQUANT=0 turns it
+    off); otherwise the portable bit-arithmetic path, which also runs under the CPU interpreter."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and os.environ.get("TRACE_LIGHTNING_FAST_DEQUANT",
+                                                                                   "1") != "0"

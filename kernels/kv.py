@@ -16,8 +16,16 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from trace_lightning.kernels._common import autotune_on, dot_precision, mma_dtype, scale_bytes, sm_count, tuned
-from trace_lightning.kernels._fp4 import dequant_tile, nan_free_abs
+from trace_lightning.kernels._common import (
+    autotune_on,
+    dot_precision,
+    fast_dequant,
+    mma_dtype,
+    scale_bytes,
+    sm_count,
+    tuned,
+)
+from trace_lightning.kernels._fp4 import dequant_tile, nan_free_abs, unscale
 from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_amax
 
 from trace_lightning.quant import NVFP4
@@ -91,7 +99,8 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
 @triton.jit
 def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_ptr, sm_scale,
                        T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
+                       FAST: tl.constexpr):
     bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
     t = bht % T
     bh = bht // T
@@ -117,8 +126,8 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
         rows = base + js
         kt = dequant_tile(tl.load(kp + rows[:, None] * (DH // 2) + hd[None, :], mask=valid[:, None], other=0),
                           tl.load(ks + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
-                          BLOCK_S, DH, DTYPE)
-        gk = tl.load(kg + rows, mask=valid, other=0.0)
+                          BLOCK_S, DH, DTYPE, FAST)
+        gk = unscale(tl.load(kg + rows, mask=valid, other=0.0), FAST)
         scores = tl.dot(q, tl.trans(kt), input_precision=PREC) * (gk * sm_scale)[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -127,8 +136,8 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = dequant_tile(tl.load(vp + rows[:, None] * (DH // 2) + hd[None, :], mask=valid[:, None], other=0),
                           tl.load(vs + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
-                          BLOCK_S, DH, DTYPE)
-        gv = tl.load(vg + rows, mask=valid, other=0.0)
+                          BLOCK_S, DH, DTYPE, FAST)
+        gv = unscale(tl.load(vg + rows, mask=valid, other=0.0), FAST)
         acc = acc * alpha[:, None] + tl.dot((p * gv[None, :]).to(DTYPE), vt, input_precision=PREC)
         m_i = m_new
     part = (bht * NUM_SPLITS + split) * G + gi
@@ -194,10 +203,12 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
             layer.v_packed, scale_bytes(layer.v_scales), layer.v_global, o, m, l_sum, float(sm_scale),
             T, Hkv, S, split_len, splits, G, Dh, max(16, triton.next_power_of_2(G)))
     dt, prec = mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device)
+    fast = fast_dequant(q.dtype, q.device)
     if tune:
-        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec)
+        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast)
     else:
-        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, num_warps=4, num_stages=2)
+        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, num_warps=4,
+                                           num_stages=2)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
                                   num_warps=4)

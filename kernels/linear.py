@@ -18,13 +18,14 @@ from trace_lightning.kernels._common import (
     GEMM_TILES,
     autotune_on,
     dot_precision,
+    fast_dequant,
     mma_dtype,
     scale_bytes,
     sm_count,
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile
+from trace_lightning.kernels._fp4 import dequant_tile, unscale
 from trace_lightning.sim._weights import row_globals as weight_row_globals
 
 from trace_lightning.quant import NVFP4
@@ -32,7 +33,7 @@ from trace_lightning.quant import NVFP4
 
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
-                   DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
+                   DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -51,12 +52,12 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         s = tl.load(s_ptr + rn[:, None] * (K // 16) + sk[None, :], mask=(rn[:, None] < N) & (sk[None, :] < K // 16),
                     other=0)
-        w = dequant_tile(p, s, BLOCK_N, BLOCK_K, DTYPE)
+        w = dequant_tile(p, s, BLOCK_N, BLOCK_K, DTYPE, FAST)
         if SWAP:
             acc = tl.dot(w, tl.trans(x.to(DTYPE)), acc, input_precision=PREC)
         else:
             acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PREC)
-    g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)
+    g = unscale(tl.load(g_ptr + rn, mask=rn < N, other=0.0), FAST)
     if SWAP:
         acc = acc * g[:, None]
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
@@ -104,7 +105,8 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
     out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else out_dtype,
                       device=x.device)
     args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), weight_row_globals(w), out,
-            M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64, bm)
+            M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64,
+            fast_dequant(x.dtype, x.device), bm)
     if tune:
         _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args)
     else:

@@ -18,13 +18,14 @@ from trace_lightning.kernels._common import (
     GEMM_TILES,
     autotune_on,
     dot_precision,
+    fast_dequant,
     mma_dtype,
     scale_bytes,
     sm_count,
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile
+from trace_lightning.kernels._fp4 import dequant_tile, unscale
 from trace_lightning.kernels.linear import weight_row_globals
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows
 
@@ -52,7 +53,7 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOPK, E, D, I,
-                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
+                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -82,26 +83,28 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOP
         sm = nmask[:, None] & (sk[None, :] < D // 16)
         wg = dequant_tile(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
                           tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
-                          BLOCK_N, BLOCK_K, DTYPE)
+                          BLOCK_N, BLOCK_K, DTYPE, FAST)
         if SWAP:
             acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
         wu = dequant_tile(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
                           tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
-                          BLOCK_N, BLOCK_K, DTYPE)
+                          BLOCK_N, BLOCK_K, DTYPE, FAST)
         if SWAP:
             acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
         else:
             acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
+    g_gate = unscale(tl.load(g_ptr + gate_rows, mask=nmask, other=0.0), FAST)
+    g_up = unscale(tl.load(g_ptr + up_rows, mask=nmask, other=0.0), FAST)
     if SWAP:
-        gate = acc_g * tl.load(g_ptr + gate_rows, mask=nmask, other=0.0)[:, None]
-        up = acc_u * tl.load(g_ptr + up_rows, mask=nmask, other=0.0)[:, None]
+        gate = acc_g * g_gate[:, None]
+        up = acc_u * g_up[:, None]
         h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(h_ptr + rows[None, :] * I + rn[:, None], h, mask=valid[None, :] & nmask[:, None])
     else:
-        gate = acc_g * tl.load(g_ptr + gate_rows, mask=nmask, other=0.0)[None, :]
-        up = acc_u * tl.load(g_ptr + up_rows, mask=nmask, other=0.0)[None, :]
+        gate = acc_g * g_gate[None, :]
+        up = acc_u * g_up[None, :]
         h = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(h_ptr + rows[:, None] * I + rn[None, :], h, mask=valid[:, None] & nmask[None, :])
 
@@ -109,6 +112,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOP
 @triton.jit
 def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, y_ptr, P, E, D, I,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
+                 FAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m)
@@ -135,7 +139,7 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
                         other=0),
                 tl.load(as_ptr + safe[:, None] * (I // 16) + sk[None, :],
                         mask=valid[:, None] & (sk[None, :] < I // 16), other=0),
-                BLOCK_M, BLOCK_K, DTYPE)
+                BLOCK_M, BLOCK_K, DTYPE, FAST)
         else:
             a = tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=valid[:, None] & (rk[None, :] < I),
                         other=0.0).to(DTYPE)
@@ -144,19 +148,20 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
                     other=0),
             tl.load(s_ptr + w_rows[:, None] * (I // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < I // 16),
                     other=0),
-            BLOCK_N, BLOCK_K, DTYPE)
+            BLOCK_N, BLOCK_K, DTYPE, FAST)
         if SWAP:
             acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     row_scale = tl.load(tw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
     if QUANT_A:
-        row_scale = tl.load(ag_ptr + safe, mask=valid, other=0.0) * row_scale
+        row_scale = unscale(tl.load(ag_ptr + safe, mask=valid, other=0.0), FAST) * row_scale
+    g_w = unscale(tl.load(g_ptr + w_rows, mask=nmask, other=0.0), FAST)
     if SWAP:
-        y = acc * tl.load(g_ptr + w_rows, mask=nmask, other=0.0)[:, None] * row_scale[None, :]
+        y = acc * g_w[:, None] * row_scale[None, :]
         tl.store(y_ptr + rows[None, :] * D + rn[:, None], y, mask=valid[None, :] & nmask[:, None])
     else:
-        y = acc * tl.load(g_ptr + w_rows, mask=nmask, other=0.0)[None, :] * row_scale[:, None]
+        y = acc * g_w[None, :] * row_scale[:, None]
         tl.store(y_ptr + rows[:, None] * D + rn[None, :], y, mask=valid[:, None] & nmask[None, :])
 
 
@@ -193,7 +198,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
     tune = autotune_on(dev)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
-            weight_row_globals(w13), h, P, k, E, D, I, dt, prec, swap_ab(), block_m)
+            weight_row_globals(w13), h, P, k, E, D, I, dt, prec, swap_ab(), fast_dequant(x.dtype, dev), block_m)
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
     else:
@@ -204,7 +209,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     block_nd = moe_config(P, E, D, dev)[1]
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), weight_row_globals(w2), y, P, E, D, I, q is not None, dt, prec,
-            swap_ab(), block_m)
+            swap_ab(), fast_dequant(x.dtype, dev), block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
     else:

@@ -47,3 +47,27 @@ def test_fp4_linear_both_operand_orders(device: str, swap: str, monkeypatch: pyt
     ref = sim.fp4_linear(x, w, out_dtype=torch.float32)
     assert rel_err(kernels.fp4_linear(x, w), ref) < 1e-6
     assert rel_err(linear(x, w, torch.float32, split_k=2), ref) < 1e-5
+
+
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Identity activations pull each dequantized weight out of the GEMM unchanged (one product per output, fp32
+    accumulation), so the kernel's dequantization must equal code * scale * global bit for bit: all 256 packed
+    bytes, every finite non-negative E4M3 scale byte (subnormals and zero included), bf16 operands (the packed
+    bf16x2 PTX path on CUDA; TRACE_LIGHTNING_FAST_DEQUANT=0 and the interpreter take the portable one)."""
+    monkeypatch.setenv("TRACE_LIGHTNING_FAST_DEQUANT", fast)
+    from trace_lightning.quant import NVFP4, decode_e2m1, unpack_fp4
+
+    N, K = 128, 256
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.arange(N * K // 2).remainder(256).reshape(N, K // 2)
+    packed = packed[:, torch.randperm(K // 2, generator=gen)].to(torch.uint8)
+    scale_bytes = torch.arange(N * K // 16).remainder(127).reshape(N, K // 16).to(torch.uint8)  # 0x00..0x7E
+    g = torch.rand(N, 1, generator=gen) * 3 + 0.01
+    w = NVFP4(packed.to(device), scale_bytes.view(torch.float8_e4m3fn).to(device), g.to(device))
+    codes = decode_e2m1(unpack_fp4(packed)).unflatten(-1, (-1, 16))
+    expected = ((codes * scale_bytes.view(torch.float8_e4m3fn).float().unsqueeze(-1)).flatten(-2) * g).T  # [K, N]
+    eye = torch.eye(K, dtype=torch.bfloat16, device=device)
+    for m0 in range(0, K, 64):  # M <= 64: the swapped (decode) operand order
+        out = kernels.fp4_linear(eye[m0:m0 + 64], w, out_dtype=torch.float32)
+        torch.testing.assert_close(out.cpu(), expected[m0:m0 + 64], rtol=0, atol=0)

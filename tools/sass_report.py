@@ -1,0 +1,110 @@
+"""Compile the FP4 GEMM kernels for sm_90 without a GPU and summarise their SASS (spills, MMA kind, op mix).
+
+Run: python tools/sass_report.py [--out DIR]   (needs only triton's bundled ptxas / cuobjdump)
+Answers what the device benchmarks cannot say cheaply: does a config spill to local memory (LDL/STL),
+does the MMA use Hopper's wgmma (HGMMA) or the older HMMA path, how many instructions per weight element.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from trace_lightning.kernels.kv import _attn_split_kernel
+from trace_lightning.kernels.linear import _linear_kernel
+from trace_lightning.kernels.moe import _down_kernel, _gate_up_kernel
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTR = {"ids_ptr": "*i64", "bexp_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "a_ptr": "*u8", "as_ptr": "*u8",
+       "g_ptr": "*fp32", "ag_ptr": "*fp32", "tw_ptr": "*bf16", "h_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32",
+       "x_ptr": "*bf16", "q_ptr": "*bf16", "pos_ptr": "*i64", "kp": "*u8", "ks": "*u8", "kg": "*fp32", "vp": "*u8",
+       "vs": "*u8", "vg": "*fp32", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32"}
+# int arguments that real launches pass as multiples of 16 (Triton specializes those as divisible by 16)
+DIV16 = {"N", "K", "K_SPLIT", "D", "I", "S", "SPLIT_LEN"}
+
+
+def signature(fn, consts: dict) -> dict:  # noqa: ANN001
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = "constexpr" if name in consts else PTR.get(name, "i32")
+    return sig
+
+
+def sass_of(fn, consts: dict, warps: int, stages: int, out: Path, tag: str) -> dict:  # noqa: ANN001
+    sig = signature(fn, consts)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+             if ty.startswith("*") or name in DIV16}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=TARGET, options={"num_warps": warps, "num_stages": stages})
+    cubin = out / f"{tag}.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    (out / f"{tag}.ttgir").write_text(k.asm["ttgir"])
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    (out / f"{tag}.sass").write_text(sass)
+    ops = collections.Counter(op.split(".")[0] for _, op in instructions(sass))
+    loop = loop_ops(sass)
+    return {"tag": tag, "shared": k.metadata.shared, "total": sum(ops.values()), "loop": sum(loop.values()),
+            "LDL": ops["LDL"], "STL": ops["STL"],
+            "HGMMA": ops["HGMMA"], "HMMA": ops["HMMA"], "LDG": ops["LDG"], "IMAD": ops["IMAD"], "LOP3": ops["LOP3"],
+            "PRMT": ops["PRMT"], "FMUL": ops["FMUL"], "F2FP": ops["F2FP"]}
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    pattern = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)"
+    return [(int(a, 16), op) for a, op in re.findall(pattern, sass)]
+
+
+def loop_ops(sass: str) -> collections.Counter:
+    """Op counts of the longest backward branch's body (the K / key loop)."""
+    jumps = [(int(a, 16), int(t, 16)) for a, t in
+             re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", sass)]
+    back = [(a, t) for a, t in jumps if t < a]
+    if not back:
+        return collections.Counter()
+    end, start = max(back, key=lambda j: j[0] - j[1])
+    return collections.Counter(op.split(".")[0] for addr, op in instructions(sass) if start <= addr <= end)
+
+
+CASES = {
+    "gate_up": (_gate_up_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "BLOCK_M": 16,
+                                  "BLOCK_N": 64, "BLOCK_K": 128}),
+    "down": (_down_kernel, {"QUANT_A": 1, "DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "BLOCK_M": 16,
+                            "BLOCK_N": 64, "BLOCK_K": 128}),
+    "linear": (_linear_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "BLOCK_M": 16,
+                                "BLOCK_N": 64, "BLOCK_K": 128}),
+    "attention": (_attn_split_kernel, {"G": 8, "DH": 128, "BLOCK_G": 16, "BLOCK_S": 64, "DTYPE": tl.bfloat16,
+                                       "PREC": "tf32", "FAST": 1}),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "sass")
+    parser.add_argument("--cases", nargs="*", default=list(CASES))
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BLOCK_K=64 SWAP=0")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"triton {triton.__version__}, sm_90, {args.warps} warps, {args.stages} stages")
+    for name in args.cases:
+        fn, consts = CASES[name]
+        consts = dict(consts)
+        for kv in args.set:
+            key, value = kv.split("=")
+            if key in consts:
+                consts[key] = int(value)
+        print(sass_of(fn, consts, args.warps, args.stages, args.out, name))
+
+
+if __name__ == "__main__":
+    main()
