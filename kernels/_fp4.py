@@ -84,18 +84,20 @@ _POW2_119 = tl.constexpr(2.0**119)  # keeps code * scale * 2^-7 inside bf16's no
 
 @triton.jit
 def _codes_times_scale(byte, scale_pair):
-    """(lo, hi) bf16 of one packed byte: both E2M1 codes times the bf16 scale pair, in four instructions.
+    """(lo, hi) bf16 of one packed byte: both E2M1 codes times the bf16 scale pair, in five instructions.
 
-    (b * 0x40040 | b * 0x1001000) & 0x81C081C0 moves each nibble's sign to bf16 bit 15 and its three
-    magnitude bits to bits 6-8 (the two shifted copies never overlap, so no carries): a bf16 pair holding
-    code * 2^-126 (0.5 is a bf16 subnormal, which bf16 multiplies keep). One bf16x2 multiply by
-    scale * 2^119 then gives code * scale * 2^-7 exactly (<= 6 significant bits, normal range)."""
+    b * 0x40040 puts the two nibbles' magnitude bits at bf16 bits 6-8 of each half, b * 0x1001000 their
+    signs at bits 15 / 31 (each product's two shifted copies never overlap, so no carries); masked and
+    merged, that is a bf16 pair holding code * 2^-126 (0.5 is a bf16 subnormal, which bf16 multiplies
+    keep). One bf16x2 multiply by scale * 2^119 gives code * scale * 2^-7 exactly (<= 6 significant bits,
+    normal range)."""
     return tl.inline_asm_elementwise(
         """{
         .reg .b32 t0, t1;
         mul.lo.u32 t0, $2, 0x40040;
         mul.lo.u32 t1, $2, 0x1001000;
-        lop3.b32 t0, t0, t1, 0x81C081C0, 0xE0;
+        and.b32 t1, t1, 0x80008000;
+        lop3.b32 t0, t0, 0x01C001C0, t1, 0xEA;
         mul.rn.bf16x2 t0, t0, $3;
         mov.b32 {$0, $1}, t0;
         }""",
@@ -106,7 +108,7 @@ def _codes_times_scale(byte, scale_pair):
 def dequant_tile_bf16(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):
     """NVFP4 tile -> bf16 code * block scale * 2^-7 (exact) with packed bf16x2 arithmetic (CUDA only).
 
-    ~6 instructions per weight instead of ~15: the hot loop of every W4A16 GEMM here is dequantization."""
+    ~7 instructions per weight instead of ~15: the hot loop of every W4A16 GEMM here is dequantization."""
     s = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _POW2_119  # NaN scale byte stays NaN
     half = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     pair = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (ROWS, COLS // 16, 8)), (ROWS, COLS // 2))

@@ -176,8 +176,9 @@ _ATTN = tuned(_attn_split_kernel, [
 
 
 def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> int:
-    """Splits of the key range so that (B * Hkv * T) * splits programs fill the chip."""
-    return max(1, min(triton.cdiv(2 * sm_count(device), work), triton.cdiv(S, block_s), 64))
+    """Splits of the key range so that (B * Hkv * T) * splits programs give each SM ~8 to interleave (one
+    program's key loop is a dependent chain of load, dequantize, dot, softmax, dot: latency-bound alone)."""
+    return max(1, min(triton.cdiv(8 * sm_count(device), work), triton.cdiv(S, block_s), 64))
 
 
 def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: float,

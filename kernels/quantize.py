@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from trace_lightning.kernels._common import sm_count
 from trace_lightning.kernels._fp4 import (
     e2m1_to_f16_scaled,
     e4m3_round_byte,
@@ -186,9 +187,13 @@ def _rows_view(x: Tensor, block: int) -> Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def _launch_shape(R: int, K: int) -> tuple[int, int]:
-    block_k = min(triton.next_power_of_2(K), 256)
+def _launch_shape(R: int, K: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K): whole rows up to 4096 wide (one pass), and few enough rows per program that a
+    decode-sized activation ([64, 2048]) still spreads over the chip instead of 4 programs walking it."""
+    block_k = triton.next_power_of_2(K) if K <= 4096 else 256
     block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
+    while block_r > 1 and triton.cdiv(R, block_r) < 2 * sm_count(device):
+        block_r //= 2
     return block_r, block_k
 
 
@@ -198,7 +203,7 @@ def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None) -> 
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 16, dtype=torch.uint8, device=x.device)
     g_rows = torch.empty(R, dtype=torch.float32, device=x.device) if g is None else g
-    block_r, block_k = _launch_shape(R, K)
+    block_r, block_k = _launch_shape(R, K, x.device)
     _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, packed, scales, packed if dq is None else dq, R, K, mode,
                                               dq is not None, x.device.type == "cuda", block_r, block_k, num_warps=4)
     lead = tuple(x.shape[:-1])
@@ -234,7 +239,7 @@ def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
     R, K = x2.shape
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 32, dtype=torch.uint8, device=x.device)
-    block_r, block_k = _launch_shape(R, K)
+    block_r, block_k = _launch_shape(R, K, x.device)
     _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed, scales, R, K, mode == "rceil", x.device.type == "cuda",
                                               block_r, block_k,
                                               num_warps=4)
