@@ -24,15 +24,16 @@ from trace_lightning.kernels._common import (
     sm_count,
     swap_ab,
     tuned,
+    weight_globals,
 )
 from trace_lightning.kernels._fp4 import dequant_tile, unscale
-from trace_lightning.sim._weights import row_globals as weight_row_globals
+from trace_lightning.kernels.reduce import sum_partials
 
 from trace_lightning.quant import NVFP4
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
+def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -57,7 +58,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, out_ptr, M, N, K, K_SPLIT,
             acc = tl.dot(w, tl.trans(x.to(DTYPE)), acc, input_precision=PREC)
         else:
             acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PREC)
-    g = unscale(tl.load(g_ptr + rn, mask=rn < N, other=0.0), FAST)
+    g = unscale(tl.load(g_ptr + rn * g_sn, mask=rn < N, other=0.0), FAST)
     if SWAP:
         acc = acc * g[:, None]
         out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
@@ -72,6 +73,11 @@ _LINEAR = tuned(_linear_kernel, [
     triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
     for bn, bk, w, st in GEMM_TILES
 ], key=["M", "N", "K", "K_SPLIT"])
+
+
+def weight_globals_2d(w: NVFP4) -> tuple[Tensor, int]:
+    g, _, per_row = weight_globals(w.packed, w.global_scale)
+    return g, per_row
 
 
 def linear_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -104,14 +110,14 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
     out_dtype = out_dtype or x.dtype
     out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else out_dtype,
                       device=x.device)
-    args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), weight_row_globals(w), out,
+    args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), *weight_globals_2d(w), out,
             M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64,
             fast_dequant(x.dtype, x.device), bm)
     if tune:
         _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args)
     else:
         _LINEAR[0][(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](*args, bn, bk, num_warps=4, num_stages=3)
-    return out.sum(0).to(out_dtype) if split > 1 else out
+    return sum_partials(out, 0, out_dtype) if split > 1 else out
 
 
 def fp4_linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None = None) -> Tensor:

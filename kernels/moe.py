@@ -24,35 +24,64 @@ from trace_lightning.kernels._common import (
     sm_count,
     swap_ab,
     tuned,
+    weight_globals,
 )
 from trace_lightning.kernels._fp4 import dequant_tile, unscale
-from trace_lightning.kernels.linear import weight_row_globals
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows
+from trace_lightning.kernels.reduce import sum_partials
 
 from trace_lightning.quant import NVFP4
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    """One program: histogram the pairs' experts, pad each expert's run to BLOCK_M, scatter pair ids into
+    their slots in stable (pair) order, label every tile with its expert. Replaces ~12 torch launches."""
+    ev = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        pv = p0 + tl.arange(0, BLOCK_P)
+        e = tl.load(ids_ptr + pv, mask=pv < P, other=-1)
+        counts += tl.sum((e[:, None] == ev[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    start = pad_end - padded
+    for b0 in range(0, NUM_BLOCKS * BLOCK_M, BLOCK_P):  # every slot padding (== P) first
+        offs = b0 + tl.arange(0, BLOCK_P)
+        tl.store(sorted_ptr + offs, tl.full((BLOCK_P,), P, tl.int64), mask=offs < NUM_BLOCKS * BLOCK_M)
+    for b0 in range(0, NUM_BLOCKS, BLOCK_P):  # tile b belongs to the expert whose padded run holds b * BLOCK_M
+        bv = b0 + tl.arange(0, BLOCK_P)
+        owner = tl.sum(((pad_end[None, :] <= (bv * BLOCK_M)[:, None]) & (ev[None, :] < E)).to(tl.int32), axis=1)
+        tl.store(bexp_ptr + bv, owner, mask=bv < NUM_BLOCKS)
+    tl.debug_barrier()  # the padding stores land before any thread's pair stores
+    seen = tl.zeros((BLOCK_E,), tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        pv = p0 + tl.arange(0, BLOCK_P)
+        e = tl.load(ids_ptr + pv, mask=pv < P, other=-1)
+        hot = (e[:, None] == ev[None, :]).to(tl.int32)
+        earlier = tl.cumsum(hot, axis=0) - hot  # same-expert pairs before this one in the chunk
+        slot = tl.sum(hot * (start + seen)[None, :] + hot * earlier, axis=1)
+        tl.store(sorted_ptr + slot, pv.to(tl.int64), mask=pv < P)
+        seen += tl.sum(hot, axis=0)
+
+
 def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, int]:
     """Sort (token, slot) pairs by expert into tiles: sorted pair ids [blocks * block_m] (padding = P) and
-    each tile's expert [blocks] (== experts past the last tile). No host sync: `blocks` is an upper bound."""
-    flat = topk_ids.reshape(-1)
+    each tile's expert [blocks] (== experts past the last tile). One launch, no host sync: `blocks` is an
+    upper bound."""
+    flat = topk_ids.reshape(-1).contiguous()
     P = flat.numel()
-    counts = torch.zeros(experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    e_sorted = flat[order]
-    rank = torch.arange(P, device=flat.device) - (counts.cumsum(0) - counts)[e_sorted]
     blocks = triton.cdiv(P, block_m) + min(experts, P)
-    sorted_ids = torch.full((blocks * block_m,), P, dtype=torch.int64, device=flat.device)
-    sorted_ids[(pad_end - padded)[e_sorted] + rank] = order
-    starts = torch.arange(blocks, device=flat.device) * block_m
-    block_expert = torch.searchsorted(pad_end, starts, right=True).to(torch.int32)
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, sorted_ids, block_expert, P, experts, blocks, block_m, 128,
+                        max(16, triton.next_power_of_2(experts)), num_warps=4)
     return sorted_ids, block_expert, blocks
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOPK, E, D, I,
+def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h_ptr, P, TOPK, E, D, I,
                     DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -95,8 +124,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOP
             acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
         else:
             acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
-    g_gate = unscale(tl.load(g_ptr + gate_rows, mask=nmask, other=0.0), FAST)
-    g_up = unscale(tl.load(g_ptr + up_rows, mask=nmask, other=0.0), FAST)
+    g_gate = unscale(tl.load(g_ptr + e * g_se + rn * g_sn, mask=nmask, other=0.0), FAST)
+    g_up = unscale(tl.load(g_ptr + e * g_se + (rn + I) * g_sn, mask=nmask, other=0.0), FAST)
     if SWAP:
         gate = acc_g * g_gate[:, None]
         up = acc_u * g_up[:, None]
@@ -110,7 +139,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, h_ptr, P, TOP
 
 
 @triton.jit
-def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, y_ptr, P, E, D, I,
+def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D,
+                 I,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
                  FAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -156,7 +186,7 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
     row_scale = tl.load(tw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
     if QUANT_A:
         row_scale = unscale(tl.load(ag_ptr + safe, mask=valid, other=0.0), FAST) * row_scale
-    g_w = unscale(tl.load(g_ptr + w_rows, mask=nmask, other=0.0), FAST)
+    g_w = unscale(tl.load(g_ptr + e * g_se + rn * g_sn, mask=nmask, other=0.0), FAST)
     if SWAP:
         y = acc * g_w[:, None] * row_scale[None, :]
         tl.store(y_ptr + rows[None, :] * D + rn[:, None], y, mask=valid[None, :] & nmask[:, None])
@@ -182,6 +212,11 @@ def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) ->
     return block_m, 32 if tiles < 2 * sm_count(device) else 64
 
 
+# K tile of the gate/up kernel: 64 keeps it at ~124 registers (4 programs per SM on sm_90); 128 needs 216
+GATE_UP_BLOCK_K = 64
+DOWN_BLOCK_K = 128
+
+
 def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Tensor,
             quantize_intermediate: bool = True) -> tuple[Tensor, NVFP4 | None]:
     """x [N, D], w13 [E, 2I, D] (gate rows then up rows), w2 [E, D, I] -> (out [N, D], moe_down NVFP4
@@ -192,26 +227,26 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     N, D = x.shape
     P = N * k
     dev = x.device
-    dt, prec = mma_dtype(x.dtype, dev), dot_precision(x.dtype, dev)
+    dt, prec, fast = mma_dtype(x.dtype, dev), dot_precision(x.dtype, dev), fast_dequant(x.dtype, dev)
     block_m, block_n = moe_config(P, E, I, dev)
     sorted_ids, block_expert, blocks = align_pairs(topk_ids.to(torch.int64), E, block_m)
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
     tune = autotune_on(dev)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
-            weight_row_globals(w13), h, P, k, E, D, I, dt, prec, swap_ab(), fast_dequant(x.dtype, dev), block_m)
+            *weight_globals(w13.packed, w13.global_scale), h, P, k, E, D, I, dt, prec, swap_ab(), fast, block_m)
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
     else:
-        _GATE_UP[0][(blocks, triton.cdiv(I, block_n))](*args, block_n, 128, num_warps=4, num_stages=3)
+        _GATE_UP[0][(blocks, triton.cdiv(I, block_n))](*args, block_n, GATE_UP_BLOCK_K, num_warps=4, num_stages=3)
     q = quantize_nvfp4_rows(h.view(N, k, I)) if quantize_intermediate else None
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
     block_nd = moe_config(P, E, D, dev)[1]
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
-            scale_bytes(w2.scales).contiguous(), weight_row_globals(w2), y, P, E, D, I, q is not None, dt, prec,
-            swap_ab(), fast_dequant(x.dtype, dev), block_m)
+            scale_bytes(w2.scales).contiguous(), *weight_globals(w2.packed, w2.global_scale), y, P, E, D, I,
+            q is not None, dt, prec, swap_ab(), fast, block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
     else:
-        _DOWN[0][(blocks, triton.cdiv(D, block_nd))](*args, block_nd, 128, num_warps=4, num_stages=3)
-    return y.view(N, k, D).sum(dim=1).to(x.dtype), q
+        _DOWN[0][(blocks, triton.cdiv(D, block_nd))](*args, block_nd, DOWN_BLOCK_K, num_warps=4, num_stages=3)
+    return sum_partials(y.view(N, k, D), 1, x.dtype), q

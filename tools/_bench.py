@@ -40,6 +40,12 @@ def graph_of(fn: Callable[[], Any]) -> Callable[[], Any] | None:
         return None
 
 
+def graph_ms(fn: Callable[[], Any]) -> float:
+    """bench_ms of fn's CUDA graph replay (eager when capture fails)."""
+    replay = graph_of(fn)
+    return bench_ms(replay if replay is not None else fn)
+
+
 class Report:
     """Collects rows; prints each as a JSON line at once and all as a markdown table at the end."""
 

@@ -2,6 +2,7 @@
 
 Run: python tools/bench_kernels.py  (CUDA only; prints JSON lines, then a markdown table)
 Bytes are the fewest each op must move (inputs read once, outputs written once); % is of 4.25 TB/s.
+Each op is timed as a CUDA graph replay (eager calls of small ops measure Python launch overhead instead).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from _bench import Report, add_bw, bench_ms, nvfp4_bytes
+from _bench import Report, add_bw, graph_ms, nvfp4_bytes
 from torch import Tensor
 
 from trace_lightning import kernels
@@ -25,7 +26,7 @@ BATCHES = (1, 16, 64, 256)
 def copy_ceiling(rep: Report) -> None:
     x = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
     y = torch.empty_like(x)
-    ms = bench_ms(lambda: y.copy_(x))
+    ms = graph_ms(lambda: y.copy_(x))
     add_bw(rep, "copy", "1 GiB fp32", ms, 2 * x.nbytes)
 
 
@@ -43,7 +44,7 @@ def quantizers(rep: Report) -> None:
     packed = kernels.quantize_nvfp4_rows(x).packed
     cases["pack_parity"] = (lambda: kernels.pack_parity(packed), packed.nbytes * 5 // 4)
     for name, (fn, nbytes) in cases.items():
-        ms = bench_ms(fn)
+        ms = graph_ms(fn)
         add_bw(rep, name, f"{R}x{K} bf16", ms, nbytes)
 
 
@@ -53,8 +54,8 @@ def linears(rep: Report) -> None:
         wq = kernels.quantize_nvfp4(w, tensor_global_scale(w, 2))
         for M in BATCHES:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            ms16 = bench_ms(partial(torch.matmul, x, w.T))
-            ms4 = bench_ms(partial(kernels.fp4_linear, x, wq))
+            ms16 = graph_ms(partial(torch.matmul, x, w.T))
+            ms4 = graph_ms(partial(kernels.fp4_linear, x, wq))
             io = x.nbytes + M * N * 2
             add_bw(rep, f"linear {name} bf16", f"M={M} {N}x{K}", ms16, w.nbytes + io)
             add_bw(rep, f"linear {name} fp4", f"M={M} {N}x{K}", ms4, nvfp4_bytes(N, K) + io, speedup=ms16 / ms4)
@@ -89,8 +90,8 @@ def moe(rep: Report) -> None:
         gates, ids = torch.rand(N, E, device="cuda").softmax(-1).topk(k, dim=-1)
         gates = (gates / gates.sum(-1, keepdim=True)).bfloat16()
         touched = int(ids.unique().numel())
-        ms16 = bench_ms(partial(bf16_moe, x, w13, w2, ids, gates))
-        ms4 = bench_ms(partial(kernels.fp4_moe, x, q13, q2, ids, gates))
+        ms16 = graph_ms(partial(bf16_moe, x, w13, w2, ids, gates))
+        ms4 = graph_ms(partial(kernels.fp4_moe, x, q13, q2, ids, gates))
         shape = f"N={N} E={E} touched={touched}"
         add_bw(rep, "moe bf16 grouped_mm", shape, ms16, touched * per_expert16)
         add_bw(rep, "moe fp4 fused", shape, ms4, touched * per_expert4, speedup=ms16 / ms4)
@@ -107,12 +108,12 @@ def attention(rep: Report, ctx: int = 2048) -> None:
         kernels.kv_append(layer, k16.transpose(1, 2), v16.transpose(1, 2),
                           torch.arange(S, device="cuda").expand(B, S))
         pos = torch.full((B, 1), ctx, device="cuda", dtype=torch.int64)
-        ms16 = bench_ms(partial(F.scaled_dot_product_attention, q, k16, v16, enable_gqa=True))
-        ms4 = bench_ms(partial(kernels.fp4_kv_attention, q, layer, pos, Dh**-0.5))
+        ms16 = graph_ms(partial(F.scaled_dot_product_attention, q, k16, v16, enable_gqa=True))
+        ms4 = graph_ms(partial(kernels.fp4_kv_attention, q, layer, pos, Dh**-0.5))
         add_bw(rep, "attn bf16 sdpa", f"B={B} ctx={ctx}", ms16, 2 * k16.nbytes)
         add_bw(rep, "attn fp4 kv", f"B={B} ctx={ctx}", ms4, layer.nbytes(), speedup=ms16 / ms4)
         kn, vn = torch.randn(2, B, 1, Hkv, Dh, device="cuda", dtype=torch.bfloat16)
-        ms_app = bench_ms(partial(kernels.kv_append, layer, kn, vn, pos))
+        ms_app = graph_ms(partial(kernels.kv_append, layer, kn, vn, pos))
         rep.add(op="kv_append fp4", shape=f"B={B}", ms=ms_app)
         del k16, v16, layer
 

@@ -71,3 +71,15 @@ def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, m
     for m0 in range(0, K, 64):  # M <= 64: the swapped (decode) operand order
         out = kernels.fp4_linear(eye[m0:m0 + 64], w, out_dtype=torch.float32)
         torch.testing.assert_close(out.cpu(), expected[m0:m0 + 64], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_sum_partials_matches_torch(device: str, dim: int) -> None:
+    from trace_lightning.kernels.reduce import sum_partials
+
+    y = torch.randn(5, 7, 1500, generator=torch.Generator().manual_seed(dim)).to(device)
+    ref = sum(y.unbind(dim))  # left to right, as the kernel adds
+    torch.testing.assert_close(sum_partials(y, dim, torch.float32), ref, rtol=0, atol=0)
+    out = sum_partials(y, dim, torch.bfloat16)  # the interpreter's bf16 cast is not round-to-nearest: 1 ulp
+    assert out.dtype == torch.bfloat16 and out.shape == ((7, 1500) if dim == 0 else (5, 1500))
+    torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), rtol=2**-7, atol=0)

@@ -32,6 +32,31 @@ def test_align_pairs_groups_by_expert(device: str) -> None:
     assert sorted(seen) == list(range(6))
 
 
+def reference_alignment(flat: torch.Tensor, experts: int, block_m: int, blocks: int) -> tuple[list, list]:
+    """Stable sort by expert, each expert's run padded to block_m (padding id = P), tile owners."""
+    P = flat.numel()
+    slots, owners = [], []
+    for e in range(experts):
+        pairs = [p for p in range(P) if int(flat[p]) == e]
+        if not pairs:
+            continue
+        run = pairs + [P] * (-len(pairs) % block_m)
+        slots += run
+        owners += [e] * (len(run) // block_m)
+    return slots + [P] * (blocks * block_m - len(slots)), owners + [experts] * (blocks - len(owners))
+
+
+@pytest.mark.parametrize(("tokens", "k", "experts", "block_m"), [(3, 2, 4, 2), (64, 8, 128, 16), (50, 6, 60, 16),
+                                                                 (300, 2, 8, 64), (1, 8, 128, 16)])
+def test_align_pairs_is_a_stable_padded_sort(device: str, tokens: int, k: int, experts: int, block_m: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * experts + k)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    sorted_ids, block_expert, blocks = align_pairs(ids.to(device), experts, block_m)
+    slots, owners = reference_alignment(ids.reshape(-1), experts, block_m, blocks)
+    assert sorted_ids.cpu().tolist() == slots
+    assert block_expert.cpu().tolist() == owners
+
+
 @pytest.mark.parametrize("quantize_h", [True, False])
 @pytest.mark.parametrize("shape", [(9, 64, 48, 6, 2), (40, 32, 32, 4, 3)])
 def test_fp4_moe_matches_sim(device: str, quantize_h: bool, shape: tuple[int, ...]) -> None:
