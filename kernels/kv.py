@@ -189,7 +189,7 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
         raise ValueError(f"q {tuple(q.shape)} / q_positions {tuple(q_positions.shape)} do not fit the cache "
                          f"{layer.shape} (head_dim must be a power of two)")
     G = Hq // Hkv
-    block_s = 64
+    block_s = 32  # 96 registers: 5 programs per SM (64 keys: 138 registers, 3 per SM)
     tune = autotune_on(q.device)
     unit = 128 if tune else block_s  # whole (autotuned) key blocks per split
     splits = num_splits or attention_splits(B * Hkv * T, S, unit, q.device)

@@ -1,6 +1,7 @@
 """One decode step of a qwen3-30b-a3b-shaped MoE, BF16 torch ops vs our FP4 ops, next to its roofline.
 
 Run: python tools/bench_rollout.py --layers 8 --batches 1 16 64 256 --ctx 2048
+     python tools/bench_rollout.py --layers 8 --long 16384   (long rollouts, see long_rollout)
 Random weights (never zeros). BF16 path: torch bf16 matmuls, SDPA over a bf16 cache, torch._grouped_mm
 experts. FP4 path: W4 weights + A4 activations (fake_quantize_nvfp4_rows at attn_in/attn_out/moe_in, the
 fused moe_down) + FP4 KV cache, all through trace_lightning.kernels. Norms, RoPE, router, lm_head stay
@@ -11,6 +12,7 @@ the lm_head is measured on its own and added once. Roofline = (weight bytes touc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -181,11 +183,86 @@ def run_batch(rep: Report, s: Shape, layers: list[Layer], B: int, ctx: int, head
     torch.cuda.empty_cache()
 
 
+def weight_bytes_resident(s: Shape, fp4: bool) -> float:
+    """Bytes of the whole 48-layer model in memory (every expert, embedding and lm_head bf16 in both)."""
+    q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    size = (lambda r, c: nvfp4_bytes(r, c)) if fp4 else (lambda r, c: 2 * r * c)
+    per_layer = size(q_dim + 2 * kv_dim, s.dim) + size(s.dim, q_dim)
+    per_layer += s.experts * (size(2 * s.inter, s.dim) + size(s.dim, s.inter)) + 2 * s.experts * s.dim + 8 * s.dim
+    return s.layers * per_layer + 2 * 2 * s.vocab * s.dim
+
+
+def kv_bytes_per_token(s: Shape, fp4: bool) -> float:
+    row = (s.head_dim // 2 + s.head_dim // 16 + 4) if fp4 else 2 * s.head_dim
+    return s.layers * s.kv_heads * 2 * row
+
+
+def max_batch(s: Shape, fp4: bool, seq_len: int, reserve_gb: float) -> int:
+    """Largest batch whose weights + full-length KV cache fit the device, leaving reserve_gb for workspace."""
+    free = torch.cuda.get_device_properties(0).total_memory - reserve_gb * 2**30 - weight_bytes_resident(s, fp4)
+    return max(1, int(free // (kv_bytes_per_token(s, fp4) * seq_len)))
+
+
+def step_at(s: Shape, layers: list[Layer], fp4: bool, caches: list, B: int, ctx: int, head: Tensor) -> float:
+    """Graph-replayed ms of one 48-layer decode step (measured layers scaled, lm_head added) at position ctx."""
+    x = torch.randn(B, s.dim, device="cuda", dtype=torch.bfloat16)
+    pos = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+    cos = torch.ones(1, 1, s.head_dim, device="cuda", dtype=torch.bfloat16)
+    sin = torch.zeros_like(cos)
+    out = torch.empty_like(x)
+    if fp4:
+        fn = partial(step, partial(fp4_layer, s), layers, caches, x, out, pos, cos, sin)
+    else:  # SDPA attends to the whole tensor it gets: hand it the first ctx + 1 positions
+        views = [(k[:, :, : ctx + 1], v[:, :, : ctx + 1]) for k, v in caches]
+        fn = partial(step, partial(bf16_layer, s), layers, views, x, out, pos, cos, sin)
+    ms, _ = timed(fn)
+    head_ms = graph_ms(partial(torch.matmul, rms(x, layers[0].n1), head.T))
+    return ms / len(layers) * s.layers + head_ms
+
+
+def long_rollout(rep: Report, s: Shape, layers: list[Layer], head: Tensor, gen: int, prompt: int,
+                 reserve_gb: float, points: int = 5) -> None:
+    """Generated tokens/s of gen-token rollouts at each engine's largest batch that fits (full 48-layer
+    weights + KV for prompt + gen tokens, computed from byte counts): step times measured at `points`
+    positions across the generation and integrated (trapezoid), prefill excluded."""
+    L = len(layers)
+    S = prompt + gen + 1
+    for fp4 in (False, True):
+        name = "fp4" if fp4 else "bf16"
+        B = max_batch(s, fp4, S, reserve_gb)
+        if fp4:
+            caches = []
+            for _ in range(L):  # random K/V quantized into the cache, one layer's bf16 at a time
+                layer = FP4KVLayer.allocate(B, s.kv_heads, S, s.head_dim, "cuda")
+                for b0 in range(0, B, 16):
+                    sub = FP4KVLayer(*(getattr(layer, f.name)[b0:b0 + 16] for f in dataclasses.fields(layer)))
+                    n = sub.shape[0]
+                    kv = torch.randn(2, n, S, s.kv_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
+                    kernels.kv_append(sub, kv[0], kv[1], torch.arange(S, device="cuda").expand(n, S))
+                    del kv
+                caches.append(layer)
+        else:
+            caches = [(torch.randn(B, s.kv_heads, S, s.head_dim, device="cuda", dtype=torch.bfloat16),
+                       torch.randn(B, s.kv_heads, S, s.head_dim, device="cuda", dtype=torch.bfloat16))
+                      for _ in range(L)]
+        ctxs = [prompt + round(j * (gen - 1) / (points - 1)) for j in range(points)]
+        times = [step_at(s, layers, fp4, caches, B, c, head) for c in ctxs]
+        total_ms = sum((ctxs[j + 1] - ctxs[j]) * (times[j] + times[j + 1]) / 2 for j in range(points - 1))
+        rep.add(path=name, batch=B, gen=gen, prompt=prompt, step_ms_first=times[0], step_ms_last=times[-1],
+                steps_ms=[round(t, 3) for t in times], rollout_s=total_ms / 1e3, tok_per_s=B * gen / total_ms * 1e3,
+                kv_GB=kv_bytes_per_token(s, fp4) * S * B / 1e9, weights_GB=weight_bytes_resident(s, fp4) / 1e9)
+        del caches
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=8, help="layers measured (scaled to 48)")
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 256])
     parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--long", type=int, default=0, help="generated tokens of the long-rollout benchmark (0: off)")
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens of the long-rollout benchmark")
+    parser.add_argument("--reserve-gb", type=float, default=8.0, help="memory kept free for activations/workspace")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rollout needs a CUDA device")
@@ -193,6 +270,16 @@ def main() -> None:
     s = Shape()
     layers = [Layer(s) for _ in range(args.layers)]
     head = torch.randn(s.vocab, s.dim, device="cuda", dtype=torch.bfloat16) * 0.02
+    if args.long:
+        rep = Report(["path", "batch", "gen", "step_ms_first", "step_ms_last", "rollout_s", "tok_per_s", "kv_GB",
+                      "weights_GB"])
+        long_rollout(rep, s, layers, head, args.long, args.prompt, args.reserve_gb)
+        tps = {r["path"]: r["tok_per_s"] for r in rep.rows}
+        print(f"\n## long rollouts: {args.long} generated tokens after a {args.prompt}-token prompt, largest batch "
+              f"that fits, {args.layers} layers measured and scaled to 48, {torch.cuda.get_device_name()}; "
+              f"FP4 / BF16 tokens/s = {tps.get('fp4', 0) / max(tps.get('bf16', 1), 1e-9):.2f}\n")
+        print(rep.table())
+        return
     rep = Report(["path", "batch", "mode", "layers_ms", "step_ms_48", "roofline_ms", "pct_roofline", "weights_GB",
                   "kv_GB", "touched", "tok_per_s", "speedup"])
     for B in args.batches:

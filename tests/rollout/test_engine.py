@@ -136,11 +136,13 @@ class TrainerFakeQuant(QuantHook):
         return quantize_weight(w, self.fmt).dequantize(w.dtype)
 
 
-@pytest.mark.parametrize("kind", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize(("kind", "fused"), [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
 def test_fp4_engine_matches_trainer_fake_quant_forward(model: Transformer, base_model: Transformer,
-                                                       kind: str) -> None:
-    """fp32 FP4 rollout (weights, activations, KV) vs the training-side full forward with fake-quant."""
-    engine = Engine(model, FP4Precision(fmt=kind, compute_dtype="fp32"))
+                                                       kind: str, fused: bool) -> None:
+    """fp32 FP4 rollout (weights, activations, KV) vs the training-side full forward with fake-quant; fused:
+    attention runs on the packed NVFP4 cache (ops.fp4_kv_attention, the Triton default) instead of SDPA."""
+    engine = Engine(model, FP4Precision(fmt=kind, compute_dtype="fp32"), fused_attention=fused)
+    assert engine.fused_attention is fused  # the sim backend's default is the unfused path
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=1.0, seed=1))
     for p, r, lp in zip(PROMPTS, out.responses, out.logprobs, strict=True):
         full = full_forward_logprobs(base_model, p + r, TrainerFakeQuant(kind))

@@ -29,6 +29,11 @@ class KVCacheProtocol(Protocol):
         boolean mask allowed (B, T, S) of keys each new query may attend to."""
         ...
 
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor | None:
+        """Optionally store k, v and attend q (B, T, Hq, Dh) on the cache's own form (a fused kernel over a
+        packed cache): (B, T, Hq, Dh), or None to fall back to update + SDPA."""
+        ...
+
 
 @dataclass
 class ModelOutput:
@@ -116,14 +121,19 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k = _site(hook, k, self.layer, "k")
         v = _site(hook, v, self.layer, "v")
-        if cache is not None:
-            k, v, allowed = cache.update(self.layer, k, v, positions)  # (B, S, Hkv, Dh) x2, (B, T, S)
-            mask = allowed[:, None]  # (B, 1, T, S)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask, is_causal=mask is None, enable_gqa=c.n_heads != c.n_kv_heads,
-        )  # (B, Hq, T, Dh)
-        y = y.transpose(1, 2).reshape(B, T, c.q_dim)  # (B, T, Hq*Dh)
+        attend = getattr(cache, "attend", None)  # optional: caches that can attend on their packed form
+        fused = None if attend is None else attend(self.layer, q, k, v, positions, c.head_dim**-0.5)
+        if fused is not None:
+            y = fused.reshape(B, T, c.q_dim)  # (B, T, Hq*Dh)
+        else:
+            if cache is not None:
+                k, v, allowed = cache.update(self.layer, k, v, positions)  # (B, S, Hkv, Dh) x2, (B, T, S)
+                mask = allowed[:, None]  # (B, 1, T, S)
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=mask, is_causal=mask is None, enable_gqa=c.n_heads != c.n_kv_heads,
+            )  # (B, Hq, T, Dh)
+            y = y.transpose(1, 2).reshape(B, T, c.q_dim)  # (B, T, Hq*Dh)
         y = _site(hook, y, self.layer, "attn_out")
         return self.wo(y, hook)
 

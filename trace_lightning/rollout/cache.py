@@ -8,7 +8,10 @@ a host-side bound on the positions written so far, so attention reads a growing 
 The FP4 cache stores NVFP4 rows per token-head (packed codes, E4M3 block scales, fp32 row global) in
 ``ops.FP4KVLayer`` and quantizes through ``ops.kv_append``; MXFP4 rows are kept the same way in a
 position-indexed buffer. It returns the window dequantized in the compute dtype, which is numerically
-what fused attention over the packed cache computes. Boundary (bf16) layers keep a dense cache.
+what fused attention over the packed cache computes. With ``fused_attention`` (the engine turns it on for
+the Triton backend) NVFP4 layers skip that window: ``attend`` runs ``ops.fp4_kv_attention`` on the packed
+cache itself, so a decode step reads 4.5-bit keys and values instead of materializing bf16 copies.
+Boundary (bf16) layers keep a dense cache.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ class KVCache:
         self.v[layer][rows, positions] = v.to(self.dtype)
         return self.k[layer][:, :n], self.v[layer][:, :n], self.allowed(positions)
 
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor | None:
+        """Store k, v and return attention (B, T, Hq, Dh) computed on the stored form, or None when this layer
+        has no fused kernel (the model then calls update and runs SDPA)."""
+        return None
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
 
@@ -57,11 +65,13 @@ class FP4KVCache(KVCache):
     """FP4 cache (NVFP4 through the ops backend, or MXFP4) for quantized layers, dense for boundary layers."""
 
     def __init__(self, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 ops: ModuleType, fmt: FP4Format, recorder: Recorder | None = None) -> None:
+                 ops: ModuleType, fmt: FP4Format, recorder: Recorder | None = None,
+                 fused_attention: bool = False) -> None:
         fp4_layers = [i for i in range(config.n_layers) if config.is_quantized_layer(i)]
         dense = [i for i in range(config.n_layers) if i not in fp4_layers]
         super().__init__(config, batch, max_len, dtype, device, layers=dense)
         self.ops, self.fmt, self.recorder = ops, fmt, recorder
+        self.fused_attention = fused_attention and fmt.kind == "nvfp4"
         if fmt.kind == "nvfp4":
             self.layers: dict[int, FP4KVLayer] = {
                 i: FP4KVLayer.allocate(batch, config.n_kv_heads, max_len, config.head_dim, device=device)
@@ -91,6 +101,17 @@ class FP4KVCache(KVCache):
             self.recorder.observe(qk, layer=layer, site="k")
             self.recorder.observe(qv, layer=layer, site="v")
         return k_all, v_all, self.allowed(positions)  # (B, n, Hkv, Dh) x2, (B, T, n)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor | None:
+        if not self.fused_attention or layer in self.k:
+            return None
+        store = self.layers[layer]
+        qk, qv = self.ops.kv_append(store, k, v, positions)
+        if self.recorder is not None:
+            self.recorder.observe(qk, layer=layer, site="k")
+            self.recorder.observe(qv, layer=layer, site="v")
+        out = self.ops.fp4_kv_attention(q.transpose(1, 2).contiguous(), store, positions, scale)  # (B, Hq, T, Dh)
+        return out.transpose(1, 2)
 
     def nbytes(self) -> int:
         dense = super().nbytes()

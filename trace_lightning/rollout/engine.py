@@ -31,6 +31,7 @@ from trace_lightning.rollout.convert import (
     fp4_checksum,
     fp4_weight_checksums,
 )
+from trace_lightning.rollout.decode import DecodeLoop, DecodeState
 from trace_lightning.rollout.precision import FP4Precision, resolve_precision
 from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
 
@@ -39,13 +40,17 @@ class Engine:
     """Generates from ``model`` at ``precision`` ("fp32", "bf16" or an FP4Precision) on the model's device."""
 
     def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
-                 sync_every: int = 8) -> None:
+                 sync_every: int = 8, fused_attention: bool | None = None, cuda_graph: bool = True) -> None:
         self.compute_dtype, self.fp4 = resolve_precision(precision)
         self.precision = precision
         self.config = model.config
         self.device = next(model.parameters()).device
         self.ops: ModuleType = backend_for(self.device, backend)
         self.sync_every = max(1, sync_every)
+        self.cuda_graph = cuda_graph  # decode steps replay as one CUDA graph on GPU (rollout/decode.py)
+        # attention over the packed FP4 cache (one kernel reading 4.5-bit K/V); default on for Triton, where the
+        # dequantize-then-SDPA fallback would move more bytes than a bf16 cache
+        self.fused_attention = self.ops.__name__.endswith("kernels") if fused_attention is None else fused_attention
         self.policy_version = 0
         model.eval().requires_grad_(False)
         self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
@@ -80,20 +85,16 @@ class Engine:
         start = time.perf_counter()
         tok, lp = draw(self.prefill(prompts, cache, hook, recorder), step=0)
         tokens[:, 0], logprobs[:, 0] = tok, lp
-        done = torch.isin(tok, stop) | (max_new_t <= 1)
-        prefill_s, steps = time.perf_counter() - start, 1
-        for i in range(1, N):
-            if i % self.sync_every == 0 and bool(done.all()):
-                break
-            positions = torch.minimum(lens_t + (i - 1), last_pos)[:, None]  # (B, 1); frozen once a row is full
-            cache.visible = min(P + i, S)
-            tok, lp = draw(self.decode_one_token(tok[:, None], positions, cache, hook, recorder), step=i)
-            tokens[:, i], logprobs[:, i] = tok, lp
-            done = done | torch.isin(tok, stop) | (max_new_t <= i + 1)
-            steps += 1
+        state = DecodeState(tokens, logprobs, torch.isin(tok, stop) | (max_new_t <= 1), lens_t, last_pos, max_new_t,
+                            stop)
+        prefill_s = time.perf_counter() - start
+        loop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder), draw, state, cache,
+                          self.sync_every, self.cuda_graph and dev.type == "cuda")
+        steps = 1 + loop.run(N - 1, visible=lambda i: min(P + i, S))
         out = self._collect(prompts, max_new, tokens, logprobs, params, recorder, capture)
         out.stats = {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
-                     "decode_steps": float(steps), "new_tokens": float(sum(len(r) for r in out.responses))}
+                     "decode_steps": float(steps), "new_tokens": float(sum(len(r) for r in out.responses)),
+                     "graph_steps": float(loop.graph_steps)}
         return out
 
     def prefill(self, prompts: list[list[int]], cache: KVCache, hook: FP4ActivationHook | None,
@@ -139,7 +140,8 @@ class Engine:
         c, dtype = self.config, self.compute_dtype
         if self.fp4 is None or not self.fp4.kv:
             return KVCache(c, batch, max_len, dtype, self.device)
-        return FP4KVCache(c, batch, max_len, dtype, self.device, self.ops, self.fp4.activation_format, recorder)
+        return FP4KVCache(c, batch, max_len, dtype, self.device, self.ops, self.fp4.activation_format, recorder,
+                          fused_attention=self.fused_attention)
 
     def _capture_layers(self, capture: CaptureSpec | None) -> frozenset[int]:
         if capture is None:

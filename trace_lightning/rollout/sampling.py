@@ -51,9 +51,11 @@ def _fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
-def uniform_noise(keys: Tensor, step: int, vocab: int) -> Tensor:
-    """float32 [B, V] in (0, 1), a pure function of (keys[b], step, token id)."""
-    stream = _fmix32(keys[:, :1] ^ _fmix32(keys[:, 1:] ^ _mul32(torch.full_like(keys[:, :1], step + 1), 0x9E3779B9)))
+def uniform_noise(keys: Tensor, step: int | Tensor, vocab: int) -> Tensor:
+    """float32 [B, V] in (0, 1), a pure function of (keys[b], step, token id); step may be a (1,) device
+    tensor (a CUDA-graph replay reads it from the device)."""
+    counter = torch.zeros_like(keys[:, :1]) + (step + 1)  # (B, 1)
+    stream = _fmix32(keys[:, :1] ^ _fmix32(keys[:, 1:] ^ _mul32(counter, 0x9E3779B9)))
     ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None]  # (1, V)
     h = _fmix32(stream ^ _mul32(ids, 0x9E3779B9))  # (B, V), distinct per token id
     h = _fmix32(h ^ keys[:, 1:])
@@ -74,7 +76,7 @@ def truncate(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
     return scaled
 
 
-def sample(logits: Tensor, keys: Tensor, step: int, temperature: float, top_k: int = 0,
+def sample(logits: Tensor, keys: Tensor, step: int | Tensor, temperature: float, top_k: int = 0,
            top_p: float = 1.0) -> tuple[Tensor, Tensor]:
     """logits [B, V] -> (tokens int64 [B], logprobs float32 [B] of those tokens, full-vocabulary).
 

@@ -1,0 +1,94 @@
+"""The decode loop as device-only work on static buffers, replayable as one CUDA graph per generate call.
+
+Each step reads the step counter, derives every row's position from it, runs the forward, samples, and writes
+the token, its logprob and the done flags into preallocated tensors, all on the device. That makes the step a
+pure function of buffers that live across steps, which is what a CUDA graph replay needs: on CUDA the
+engine runs the first steps eagerly (they compile kernels and allocate the record buffers), captures one
+step, and replays it, so a step costs one graph launch instead of hundreds of kernel launches. Any capture
+failure (an op that syncs with the host, say) falls back to the eager loop, with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trace_lightning.rollout.cache import KVCache
+
+Logits = Callable[[Tensor, Tensor], Tensor]  # (tokens (B, 1), positions (B, 1)) -> next-token logits (B, V)
+
+
+@dataclass
+class DecodeState:
+    """Everything a step reads or writes; tokens/logprobs (B, N) are the generate call's outputs."""
+
+    tokens: Tensor
+    logprobs: Tensor
+    done: Tensor  # (B,) bool
+    lens: Tensor  # (B,) prompt lengths
+    last_pos: Tensor  # (B,) the last position a row may write
+    max_new: Tensor  # (B,)
+    stop: Tensor  # (n_stop,) stop token ids
+
+    def __post_init__(self) -> None:
+        self.step = torch.ones(1, dtype=torch.long, device=self.tokens.device)  # the step being decoded (>= 1)
+        self.last = self.tokens[:, :1].clone()  # (B, 1) the token fed to the next step
+
+
+class DecodeLoop:
+    """Steps 1 .. N-1 of a generate call, eager or as CUDA graph replays."""
+
+    def __init__(self, logits: Logits, draw: Callable[..., tuple[Tensor, Tensor]], state: DecodeState,
+                 cache: KVCache, sync_every: int, use_graph: bool) -> None:
+        self.logits, self.draw, self.state, self.cache = logits, draw, state, cache
+        self.sync_every, self.use_graph = sync_every, use_graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_steps = 0
+
+    def step(self) -> None:
+        """One decode step, device ops only (the step counter advances on the device)."""
+        st = self.state
+        positions = torch.minimum(st.lens + (st.step - 1), st.last_pos)[:, None]  # (B, 1); frozen once full
+        tok, lp = self.draw(self.logits(st.last, positions), step=st.step)
+        st.tokens.index_copy_(1, st.step, tok[:, None])
+        st.logprobs.index_copy_(1, st.step, lp[:, None])
+        st.done |= torch.isin(tok, st.stop) | (st.max_new <= st.step + 1)
+        st.last.copy_(tok[:, None])
+        st.step += 1
+
+    def run(self, n_steps: int, visible: Callable[[int], int]) -> int:
+        """Decode steps 1 .. n_steps; `visible(i)` is the eager loop's cache window at step i. -> steps run."""
+        steps = 0
+        for i in range(1, n_steps + 1):
+            if i % self.sync_every == 0 and bool(self.state.done.all()):
+                break
+            if self.graph is None and self.use_graph and i >= 3 and n_steps - i >= 2:
+                self._capture()  # steps 1-2 ran eagerly: kernels compiled, record buffers allocated
+            if self.graph is not None:
+                self.graph.replay()
+                self.graph_steps += 1
+            else:
+                self.cache.visible = visible(i)
+                self.step()
+            steps += 1
+        return steps
+
+    def _capture(self) -> None:
+        """Capture one step; the graph attends over the whole cache window (the mask hides the unwritten)."""
+        self.use_graph = False  # one try per generate call
+        self.cache.visible = self.cache.max_len
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.step()
+        except Exception as err:  # noqa: BLE001  (capture is an optimisation: fall back to eager steps)
+            torch.cuda.synchronize()
+            warnings.warn(f"decode step not captured as a CUDA graph ({type(err).__name__}: {err}); running eagerly",
+                          RuntimeWarning, stacklevel=3)
+            return
+        self.graph = graph
+
