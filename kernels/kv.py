@@ -175,10 +175,16 @@ _ATTN = tuned(_attn_split_kernel, [
 ], key=["T", "H", "S", "SPLIT_LEN", "NUM_SPLITS", "G", "DH"])
 
 
+# Decode-attention launch shape. 32 keys per iteration: 96 registers, 5 programs per SM (64 keys: 138 registers,
+# 3 per SM); splits so that each SM gets ~PROGRAMS_PER_SM programs to interleave (one program's key loop is a
+# dependent chain of load, dequantize, dot, softmax, dot: latency-bound alone). tools/sweep_attention.py
+# measures the alternatives.
+ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES, ATTN_PROGRAMS_PER_SM = 32, 4, 2, 8
+
+
 def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> int:
-    """Splits of the key range so that (B * Hkv * T) * splits programs give each SM ~8 to interleave (one
-    program's key loop is a dependent chain of load, dequantize, dot, softmax, dot: latency-bound alone)."""
-    return max(1, min(triton.cdiv(8 * sm_count(device), work), triton.cdiv(S, block_s), 64))
+    """Splits of the key range so that (B * Hkv * T) * splits programs fill the chip ATTN_PROGRAMS_PER_SM deep."""
+    return max(1, min(triton.cdiv(ATTN_PROGRAMS_PER_SM * sm_count(device), work), triton.cdiv(S, block_s), 64))
 
 
 def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: float,
@@ -189,7 +195,7 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
         raise ValueError(f"q {tuple(q.shape)} / q_positions {tuple(q_positions.shape)} do not fit the cache "
                          f"{layer.shape} (head_dim must be a power of two)")
     G = Hq // Hkv
-    block_s = 32  # 96 registers: 5 programs per SM (64 keys: 138 registers, 3 per SM)
+    block_s = ATTN_BLOCK_S
     tune = autotune_on(q.device)
     unit = 128 if tune else block_s  # whole (autotuned) key blocks per split
     splits = num_splits or attention_splits(B * Hkv * T, S, unit, q.device)
@@ -208,8 +214,8 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
     if tune:
         _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast)
     else:
-        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, num_warps=4,
-                                           num_stages=2)
+        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast,
+                                           num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
                                   num_warps=4)

@@ -1,0 +1,57 @@
+"""FP4 decode attention launch-shape sweep (keys per iteration, warps, pipeline stages, programs per SM).
+
+Run: python tools/sweep_attention.py   (CUDA only; graph-replayed median ms, bytes over 4.25 TB/s)
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from functools import partial
+
+import torch
+from _bench import COPY_CEILING, graph_ms
+from trace_lightning.kernels import kv as kv_kernels
+
+from trace_lightning import kernels
+from trace_lightning.ops import FP4KVLayer
+
+SHAPES = ((64, 2048), (256, 2048), (250, 16896))  # (batch, context)
+VARIANTS = list(itertools.product((16, 32, 64), (2, 4), (2, 3), (4, 8, 16)))
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("sweep_attention needs a CUDA device")
+    Hq, Hkv, Dh = 32, 4, 128
+    for B, ctx in SHAPES:
+        S = ctx + 1
+        layer = FP4KVLayer.allocate(B, Hkv, S, Dh, "cuda")
+        for b0 in range(0, B, 16):
+            n = min(16, B - b0)
+            kv = torch.randn(2, n, S, Hkv, Dh, device="cuda", dtype=torch.bfloat16)
+            sub = FP4KVLayer(*(getattr(layer, f)[b0:b0 + n] for f in ("k_packed", "k_scales", "k_global",
+                                                                       "v_packed", "v_scales", "v_global")))
+            kernels.kv_append(sub, kv[0], kv[1], torch.arange(S, device="cuda").expand(n, S))
+        q = torch.randn(B, Hq, 1, Dh, device="cuda", dtype=torch.bfloat16)
+        pos = torch.full((B, 1), ctx, device="cuda", dtype=torch.int64)
+        results = []
+        for bs, warps, stages, per_sm in VARIANTS:
+            kv_kernels.ATTN_BLOCK_S, kv_kernels.ATTN_WARPS = bs, warps
+            kv_kernels.ATTN_STAGES, kv_kernels.ATTN_PROGRAMS_PER_SM = stages, per_sm
+            try:
+                ms = graph_ms(partial(kernels.fp4_kv_attention, q, layer, pos, Dh**-0.5))
+            except Exception as err:  # noqa: BLE001  (a shape that does not compile is a result too)
+                print(f"# B={B} ctx={ctx} {bs}/{warps}/{stages}/{per_sm}: {type(err).__name__}", file=sys.stderr)
+                continue
+            results.append((ms, bs, warps, stages, per_sm))
+        results.sort()
+        nbytes = layer.nbytes()
+        best = [f"{ms * 1e3:.0f} us ({nbytes / (ms * 1e-3) / COPY_CEILING * 100:.0f}%) keys {bs} warps {w} "
+                f"stages {st} per-SM {ps}" for ms, bs, w, st, ps in results[:4]]
+        default = next((f"{ms * 1e3:.0f} us" for ms, *cfg in results if tuple(cfg) == (32, 4, 2, 8)), "n/a")
+        print(f"B={B} ctx={ctx}: default {default}; best " + "; ".join(best), flush=True)
+
+
+if __name__ == "__main__":
+    main()
