@@ -206,15 +206,20 @@ _DOWN = tuned(_down_kernel, [
 
 
 def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): BLOCK_M near the mean pairs per expert; narrower N tiles when there are few tiles."""
-    block_m = min(64, max(16, triton.next_power_of_2(max(1, pairs // experts))))
+    """(BLOCK_M, BLOCK_N): BLOCK_M about twice the mean pairs per expert, so a busy expert rarely spills into a
+    second tile (each tile dequantizes the expert's weights again); narrower N tiles when there are few tiles."""
+    block_m = min(64, max(16, triton.next_power_of_2(max(1, 2 * pairs // experts))))
     tiles = (triton.cdiv(pairs, block_m) + min(experts, pairs)) * triton.cdiv(blocks_n, 64)
     return block_m, 32 if tiles < 2 * sm_count(device) else 64
 
 
-# K tile of the gate/up kernel: 64 keeps it at ~124 registers (4 programs per SM on sm_90); 128 needs 216
+# K tiles (sm_90 register counts from tools/sass_report.py): gate/up at 64 keeps ~128 registers (4 programs per
+# SM; 128 needs 216); down at 128 is 128 registers with 16-row tiles but 175 with 32, so wider tiles take 64.
 GATE_UP_BLOCK_K = 64
-DOWN_BLOCK_K = 128
+
+
+def down_block_k(block_m: int) -> int:
+    return 128 if block_m <= 16 else 64
 
 
 def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Tensor,
@@ -248,5 +253,6 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
     else:
-        _DOWN[0][(blocks, triton.cdiv(D, block_nd))](*args, block_nd, DOWN_BLOCK_K, num_warps=4, num_stages=3)
+        _DOWN[0][(blocks, triton.cdiv(D, block_nd))](*args, block_nd, down_block_k(block_m), num_warps=4,
+                                                       num_stages=3)
     return sum_partials(y.view(N, k, D), 1, x.dtype), q
