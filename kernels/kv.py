@@ -10,6 +10,7 @@ and merged by a second small kernel.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -179,7 +180,8 @@ _ATTN = tuned(_attn_split_kernel, [
 # 3 per SM); splits so that each SM gets ~PROGRAMS_PER_SM programs to interleave (one program's key loop is a
 # dependent chain of load, dequantize, dot, softmax, dot: latency-bound alone). tools/sweep_attention.py
 # measures the alternatives.
-ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES, ATTN_PROGRAMS_PER_SM = 32, 4, 2, 8
+ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES, ATTN_PROGRAMS_PER_SM = (
+    int(v) for v in os.environ.get("TRACE_LIGHTNING_ATTN_SHAPE", "32,4,2,8").split(","))
 
 
 def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> int:

@@ -1,6 +1,7 @@
 """FP4 decode attention launch-shape sweep (keys per iteration, warps, pipeline stages, programs per SM).
 
 Run: python tools/sweep_attention.py   (CUDA only; graph-replayed median ms, bytes over 4.25 TB/s)
+The default shape is TRACE_LIGHTNING_ATTN_SHAPE (keys,warps,stages,programs-per-SM), see kernels/kv.py.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> None:
                 f"stages {st} per-SM {ps}" for ms, bs, w, st, ps in results[:4]]
         default = next((f"{ms * 1e3:.0f} us" for ms, *cfg in results if tuple(cfg) == (32, 4, 2, 8)), "n/a")
         print(f"B={B} ctx={ctx}: default {default}; best " + "; ".join(best), flush=True)
+        print(f"BEST B={B} ctx={ctx} TRACE_LIGHTNING_ATTN_SHAPE=" + ",".join(map(str, results[0][1:])), flush=True)
 
 
 if __name__ == "__main__":
