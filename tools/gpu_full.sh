@@ -16,7 +16,6 @@ timeout 100 python3 bench_rollout.py --layers 8 2>&1 | tee "$OUT/bench_rollout.l
 TRACE_LIGHTNING_ATTN_SHAPE=${LONG:-32,4,2,8} timeout 120 python3 bench_rollout.py --layers 8 --long 16384 2>&1 \
   | tee "$OUT/bench_long.log" | grep "^| fp4\|^| bf16\|FP4 / BF16"
 timeout 100 python3 gpu_engine_check.py 2>&1 | tee "$OUT/engine_check.log" | grep cuda_graph
-if [ -f bench_hf_generate.py ]; then
-  timeout 150 python3 bench_hf_generate.py 2>&1 | tee "$OUT/bench_hf.log" | grep "^|"
-fi
+timeout 170 python3 bench_hf_peer.py --layers 4 --batches 1 64 --new-tokens 32 --prompt-len 256 2>&1 \
+  | tee "$OUT/bench_hf.log" | grep "^|"
 timeout 60 python3 profile_step.py --layers 4 --batch 64 2>&1 | tee "$OUT/profile.log" | grep -A9 "fp4 batch"
