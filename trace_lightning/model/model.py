@@ -205,7 +205,9 @@ class Experts(nn.Module):
         order = flat.argsort(stable=True)  # (N*K,) canonical pair index, in expert order
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        counts = torch.bincount(flat, minlength=self.config.n_experts)  # (E,)
+        # (E,) counts by scatter_add: CUDA bincount reads its max back to the host, which a CUDA graph cannot hold
+        counts = torch.zeros(self.config.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         xs = x.reshape(-1, D)[order // K]  # (N*K, D)
         gate, up = grouped_linear(xs, w13, counts, self.use_grouped_mm).chunk(2, dim=-1)
         h = F.silu(gate) * up  # (N*K, I) expert order
