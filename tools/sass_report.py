@@ -1,6 +1,8 @@
 """Compile the FP4 GEMM kernels for sm_90 without a GPU and summarise their SASS (spills, MMA kind, op mix).
 
-Run: python tools/sass_report.py [--out DIR]   (needs only triton's bundled ptxas / cuobjdump)
+Run: python tools/sass_report.py [--out DIR] [--cases gate_up down] [--set BLOCK_K=64]
+(needs only triton's bundled ptxas / cuobjdump; to see what the GPU image's triton 3.6 emits, put that wheel
+first on the path: pip install --no-deps --target /tmp/t36 triton==3.6.0; PYTHONPATH=/tmp/t36 python ...)
 Answers what the device benchmarks cannot say cheaply: does a config spill to local memory (LDL/STL),
 does the MMA use Hopper's wgmma (HGMMA) or the older HMMA path, how many instructions per weight element.
 """

@@ -50,7 +50,7 @@ def main() -> None:
         nbytes = layer.nbytes()
         best = [f"{ms * 1e3:.0f} us ({nbytes / (ms * 1e-3) / COPY_CEILING * 100:.0f}%) keys {bs} warps {w} "
                 f"stages {st} per-SM {ps}" for ms, bs, w, st, ps in results[:4]]
-        default = next((f"{ms * 1e3:.0f} us" for ms, *cfg in results if tuple(cfg) == (32, 4, 2, 8)), "n/a")
+        default = next((f"{ms * 1e3:.0f} us" for ms, *cfg in results if tuple(cfg) == (64, 2, 3, 4)), "n/a")
         print(f"B={B} ctx={ctx}: default {default}; best " + "; ".join(best), flush=True)
         print(f"BEST B={B} ctx={ctx} TRACE_LIGHTNING_ATTN_SHAPE=" + ",".join(map(str, results[0][1:])), flush=True)
 
