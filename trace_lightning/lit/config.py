@@ -23,6 +23,8 @@ class TraceConfig:
     """Compute dtype of the rollout engine (bf16 models a production engine whose kernels differ)."""
     backend: str = "auto"
     """Kernel backend of the rollout engine: auto | triton | sim."""
+    cuda_graph: bool = True
+    """On GPU, replay the engine's decode step as a CUDA graph (false: eager steps, e.g. to profile)."""
 
 
 @dataclass

@@ -46,7 +46,8 @@ class RolloutWorker(L.LightningModule):
     ) -> None:
         super().__init__()
         self.tokenizer, self.method, self.trace, self.rollout_cfg = tokenizer, method, trace, rollout
-        self.engine = Engine(copy.deepcopy(policy).eval(), rollout_precision(method, trace), backend=trace.backend)
+        self.engine = Engine(copy.deepcopy(policy).eval(), rollout_precision(method, trace), backend=trace.backend,
+                             cuda_graph=trace.cuda_graph)
         self.record_layers: list[int] = []
         """Layers whose record is kept (set by the DepthSelectiveCompaction callback)."""
         self.audit_next = False
