@@ -54,6 +54,15 @@ def decode_ms(make: Callable[[int], Callable[[], object]], new: int, device: tor
     return (timed_s(make(new), device) - timed_s(make(1), device)) / (new - 1) * 1e3
 
 
+@torch.inference_mode()
+def logits_rel_diff(ours: Transformer, hf, device: torch.device) -> float:  # noqa: ANN001
+    """||ours - hf|| / ||hf|| of the logits on one short prompt: both really are the same model."""
+    ids = torch.arange(3, 19, device=device)[None]
+    a = copy.deepcopy(ours).to(device)(ids).float()
+    b = hf(ids).logits.float()
+    return float((a - b).norm() / b.norm())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-30b-a3b")
@@ -76,6 +85,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         save_hf(ours, folder)
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    same = logits_rel_diff(ours, hf, device)
+    print(f"# same model check: relative logit difference ours vs transformers (bf16) = {same:.2e}", flush=True)
+    if same > 0.05:
+        print("# WARNING: the two models disagree; the comparison below is not like for like", file=sys.stderr)
     engines = {"ours bf16": Engine(copy.deepcopy(ours).to(device), "bf16"),
                "ours fp4": Engine(copy.deepcopy(ours).to(device), FP4Precision(compute_dtype=torch.bfloat16))}
     del ours
