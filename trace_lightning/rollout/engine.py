@@ -4,7 +4,9 @@ Small and explicit like gpt-fast's generate.py: ``prefill`` runs the right-padde
 positions, ``decode_one_token`` feeds each row's last token at its own next position, and ``sample`` draws
 on the device, so the loop only syncs with the host every ``sync_every`` steps to see whether all rows
 are done. Rows finish independently; a finished row keeps running (its outputs are ignored) with its
-position frozen at its last slot, so it never writes outside its own budget.
+position frozen at its last slot, so it never writes outside its own budget. On GPU the decode step is
+captured once per call and replayed as a CUDA graph (rollout/decode.py), and FP4 layers attend on the packed
+cache directly (``fused_attention``).
 
 The engine owns the model it is given: it converts it in place (FP4 modules, compute dtype).
 """
