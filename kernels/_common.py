@@ -37,22 +37,6 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index or 0) if device.type == "cuda" else 4
 
 
-def weight_globals(packed: Tensor, g: Tensor | None) -> tuple[Tensor, int, int]:
-    """(float32 global scales, stride per matrix, stride per row): a kernel reads g[e * se + n * sn], so no
-    per-call expand to one value per row. None reads a single 1 (a tiny tensor, made once per call)."""
-    lead = tuple(packed.shape[:-1])  # (N,) or (E, N)
-    if g is None:
-        return torch.ones(1, dtype=torch.float32, device=packed.device), 0, 0
-    g = g.to(device=packed.device, dtype=torch.float32).contiguous()
-    if g.numel() == 1:
-        return g.reshape(1), 0, 0
-    if len(lead) == 2 and g.numel() == lead[0]:
-        return g.reshape(-1), 1, 0
-    if g.numel() == torch.Size(lead).numel():
-        return g.reshape(-1), (lead[-1] if len(lead) == 2 else 0), 1
-    raise ValueError(f"weight global scale of shape {tuple(g.shape)} does not fit weight rows {lead}")
-
-
 def scale_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
 

@@ -24,10 +24,10 @@ from trace_lightning.kernels._common import (
     sm_count,
     swap_ab,
     tuned,
-    weight_globals,
 )
 from trace_lightning.kernels._fp4 import dequant_tile, unscale
 from trace_lightning.kernels.reduce import sum_partials
+from trace_lightning.sim._weights import global_strides
 
 from trace_lightning.quant import NVFP4
 
@@ -75,11 +75,6 @@ _LINEAR = tuned(_linear_kernel, [
 ], key=["M", "N", "K", "K_SPLIT"])
 
 
-def weight_globals_2d(w: NVFP4) -> tuple[Tensor, int]:
-    g, _, per_row = weight_globals(w.packed, w.global_scale)
-    return g, per_row
-
-
 def linear_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, split_k): enough programs to fill the chip at decode sizes."""
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
@@ -108,9 +103,10 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
     k_split = triton.cdiv(triton.cdiv(K, k_unit), split) * k_unit
     split = triton.cdiv(K, k_split)
     out_dtype = out_dtype or x.dtype
+    g, (g_sn,) = global_strides(w)
     out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else out_dtype,
                       device=x.device)
-    args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), *weight_globals_2d(w), out,
+    args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), g, g_sn, out,
             M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64,
             fast_dequant(x.dtype, x.device), bm)
     if tune:

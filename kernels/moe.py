@@ -24,11 +24,11 @@ from trace_lightning.kernels._common import (
     sm_count,
     swap_ab,
     tuned,
-    weight_globals,
 )
 from trace_lightning.kernels._fp4 import dequant_tile, unscale
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows
 from trace_lightning.kernels.reduce import sum_partials
+from trace_lightning.sim._weights import global_strides
 
 from trace_lightning.quant import NVFP4
 
@@ -81,15 +81,22 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
 
 
 @triton.jit
+def _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M: tl.constexpr):
+    """This program's tile: (expert, live, pair ids [BLOCK_M], valid); tiles past the last expert are dead
+    (live False, expert 0) and hold only padding ids (== P)."""
+    pid_m = tl.program_id(0)
+    e = tl.load(bexp_ptr + pid_m)
+    live = e < E
+    rows = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return tl.where(live, e, 0).to(tl.int64), live, rows, rows < P
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h_ptr, P, TOPK, E, D, I,
                     DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_m)
-    live = e < E
-    e = tl.where(live, e, 0).to(tl.int64)
-    rows = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows < P  # tiles past the last expert hold only padding ids (== P)
+    pid_n = tl.program_id(1)
+    e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
     tok = tl.where(valid, rows // TOPK, 0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < I
@@ -144,12 +151,8 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
                  FAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_m)
-    live = e < E
-    e = tl.where(live, e, 0).to(tl.int64)
-    rows = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows < P  # tiles past the last expert hold only padding ids (== P)
+    pid_n = tl.program_id(1)
+    e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
     safe = tl.where(valid, rows, 0)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < D
@@ -237,8 +240,10 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     sorted_ids, block_expert, blocks = align_pairs(topk_ids.to(torch.int64), E, block_m)
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
     tune = autotune_on(dev)
+    g13, g13_strides = global_strides(w13)
+    g2, g2_strides = global_strides(w2)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
-            *weight_globals(w13.packed, w13.global_scale), h, P, k, E, D, I, dt, prec, swap_ab(), fast, block_m)
+            g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, block_m)
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
     else:
@@ -248,7 +253,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
     block_nd = moe_config(P, E, D, dev)[1]
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
-            scale_bytes(w2.scales).contiguous(), *weight_globals(w2.packed, w2.global_scale), y, P, E, D, I,
+            scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
             q is not None, dt, prec, swap_ab(), fast, block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)

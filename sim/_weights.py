@@ -8,23 +8,35 @@ from torch import Tensor
 from trace_lightning.quant import NVFP4, decode_e2m1, unpack_fp4
 
 
-def row_globals(w: NVFP4) -> Tensor:
-    """The weight's global scale as float32 [..., N] (one per output row), whatever shape it was stored in.
+def global_strides(w: NVFP4) -> tuple[Tensor, tuple[int, ...]]:
+    """(float32 global scales, one stride per leading dim of the weight): row (i_0, .., i_n)'s global is
+    g[sum(i_d * stride_d)], whatever shape it was stored in. Kernels read it by stride (no per-call expand);
+    row_globals expands it.
 
     Accepts None, a scalar, one value per leading matrix ([E], [E, 1], [E, 1, 1]) or one per row ([..., N, 1]).
     """
     lead = tuple(w.packed.shape[:-1])
     g = w.global_scale
     if g is None:
-        return torch.ones(lead, dtype=torch.float32, device=w.packed.device)
-    g = g.to(device=w.packed.device, dtype=torch.float32)
+        return torch.ones(1, dtype=torch.float32, device=w.packed.device), (0,) * len(lead)
+    g = g.to(device=w.packed.device, dtype=torch.float32).contiguous().reshape(-1)
     if g.numel() == 1:
-        return g.reshape(()).expand(lead).contiguous()
+        return g, (0,) * len(lead)
     if len(lead) >= 2 and g.numel() == lead[0]:
-        return g.reshape(lead[0], *([1] * (len(lead) - 1))).expand(lead).contiguous()
+        return g, (1,) + (0,) * (len(lead) - 1)
     if g.numel() == torch.Size(lead).numel():
-        return g.reshape(lead).contiguous()
-    raise ValueError(f"weight global scale of shape {tuple(g.shape)} does not fit weight rows {lead}")
+        strides, step = [], 1
+        for size in reversed(lead):
+            strides.insert(0, step)
+            step *= size
+        return g, tuple(strides)
+    raise ValueError(f"weight global scale of shape {tuple(w.global_scale.shape)} does not fit weight rows {lead}")
+
+
+def row_globals(w: NVFP4) -> Tensor:
+    """The weight's global scale as float32 [..., N] (one per output row), whatever shape it was stored in."""
+    g, strides = global_strides(w)
+    return g.as_strided(tuple(w.packed.shape[:-1]), strides).contiguous()
 
 
 def dequantize_weight(w: NVFP4, rows: Tensor | None = None) -> Tensor:
