@@ -24,7 +24,7 @@ from torch import Tensor
 
 from trace_lightning.model.config import MoEConfig
 from trace_lightning.ops import FP4KVLayer
-from trace_lightning.quant import NVFP4, FP4Format
+from trace_lightning.quant import NVFP4, BlockFP4, FP4Format
 from trace_lightning.rollout.capture import Recorder, RowBuffer, batch_rows, quantize_rows
 
 
@@ -97,21 +97,22 @@ class FP4KVCache(KVCache):
             kbuf.write(qk, positions)
             vbuf.write(qv, positions)
             k_all, v_all = kbuf.window(n).dequantize(self.dtype), vbuf.window(n).dequantize(self.dtype)
-        if self.recorder is not None:
-            self.recorder.observe(qk, layer=layer, site="k")
-            self.recorder.observe(qv, layer=layer, site="v")
+        self._record(layer, qk, qv)
         return k_all, v_all, self.allowed(positions)  # (B, n, Hkv, Dh) x2, (B, T, n)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor | None:
         if not self.fused_attention or layer in self.k:
             return None
         store = self.layers[layer]
-        qk, qv = self.ops.kv_append(store, k, v, positions)
+        self._record(layer, *self.ops.kv_append(store, k, v, positions))
+        out = self.ops.fp4_kv_attention(q.transpose(1, 2).contiguous(), store, positions, scale)  # (B, Hq, T, Dh)
+        return out.transpose(1, 2)
+
+    def _record(self, layer: int, qk: BlockFP4, qv: BlockFP4) -> None:
+        """The k / v sites' FP4 rows, as written to the cache, into the rollout record."""
         if self.recorder is not None:
             self.recorder.observe(qk, layer=layer, site="k")
             self.recorder.observe(qv, layer=layer, site="v")
-        out = self.ops.fp4_kv_attention(q.transpose(1, 2).contiguous(), store, positions, scale)  # (B, Hq, T, Dh)
-        return out.transpose(1, 2)
 
     def nbytes(self) -> int:
         dense = super().nbytes()
