@@ -58,7 +58,7 @@ def decode_ms(make: Callable[[int], Callable[[], object]], new: int, device: tor
 def logits_rel_diff(ours: Transformer, hf, device: torch.device) -> float:  # noqa: ANN001
     """||ours - hf|| / ||hf|| of the logits on one short prompt: both really are the same model."""
     ids = torch.arange(3, 19, device=device)[None]
-    a = copy.deepcopy(ours).to(device)(ids).float()
+    a = ours(ids).float()
     b = hf(ids).logits.float()
     return float((a - b).norm() / b.norm())
 
@@ -85,12 +85,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         save_hf(ours, folder)
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    ours = ours.to(device)  # one device copy: the parity check runs on it, each engine converts its own copy
     same = logits_rel_diff(ours, hf, device)
     print(f"# same model check: relative logit difference ours vs transformers (bf16) = {same:.2e}", flush=True)
     if same > 0.05:
         print("# WARNING: the two models disagree; the comparison below is not like for like", file=sys.stderr)
-    engines = {"ours bf16": Engine(copy.deepcopy(ours).to(device), "bf16"),
-               "ours fp4": Engine(copy.deepcopy(ours).to(device), FP4Precision(compute_dtype=torch.bfloat16))}
+    engines = {"ours bf16": Engine(copy.deepcopy(ours), "bf16"),
+               "ours fp4": Engine(copy.deepcopy(ours), FP4Precision(compute_dtype=torch.bfloat16))}
     del ours
     rep = Report(["impl", "batch", "decode_ms_per_step", "ms_per_layer", "tok_per_s", "note"])
     vocab = hf.config.vocab_size

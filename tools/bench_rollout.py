@@ -220,6 +220,17 @@ def step_at(s: Shape, layers: list[Layer], fp4: bool, caches: list, B: int, ctx:
     return ms / len(layers) * s.layers + head_ms
 
 
+def random_fp4_cache(B: int, kv_heads: int, S: int, head_dim: int, chunk: int = 16) -> FP4KVLayer:
+    """A full FP4 cache of random K/V, quantized `chunk` sequences at a time (bounds the bf16 staging memory)."""
+    layer = FP4KVLayer.allocate(B, kv_heads, S, head_dim, "cuda")
+    for b0 in range(0, B, chunk):
+        sub = FP4KVLayer(*(getattr(layer, f.name)[b0:b0 + chunk] for f in dataclasses.fields(layer)))
+        n = sub.shape[0]
+        kv = torch.randn(2, n, S, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        kernels.kv_append(sub, kv[0], kv[1], torch.arange(S, device="cuda").expand(n, S))
+    return layer
+
+
 def long_rollout(rep: Report, s: Shape, layers: list[Layer], head: Tensor, gen: int, prompt: int,
                  reserve_gb: float, points: int = 5) -> None:
     """Generated tokens/s of gen-token rollouts at each engine's largest batch that fits (full 48-layer
@@ -231,16 +242,7 @@ def long_rollout(rep: Report, s: Shape, layers: list[Layer], head: Tensor, gen: 
         name = "fp4" if fp4 else "bf16"
         B = max_batch(s, fp4, S, reserve_gb)
         if fp4:
-            caches = []
-            for _ in range(L):  # random K/V quantized into the cache, one layer's bf16 at a time
-                layer = FP4KVLayer.allocate(B, s.kv_heads, S, s.head_dim, "cuda")
-                for b0 in range(0, B, 16):
-                    sub = FP4KVLayer(*(getattr(layer, f.name)[b0:b0 + 16] for f in dataclasses.fields(layer)))
-                    n = sub.shape[0]
-                    kv = torch.randn(2, n, S, s.kv_heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
-                    kernels.kv_append(sub, kv[0], kv[1], torch.arange(S, device="cuda").expand(n, S))
-                    del kv
-                caches.append(layer)
+            caches = [random_fp4_cache(B, s.kv_heads, S, s.head_dim) for _ in range(L)]
         else:
             caches = [(torch.randn(B, s.kv_heads, S, s.head_dim, device="cuda", dtype=torch.bfloat16),
                        torch.randn(B, s.kv_heads, S, s.head_dim, device="cuda", dtype=torch.bfloat16))

@@ -12,10 +12,10 @@ from functools import partial
 
 import torch
 from _bench import COPY_CEILING, graph_ms
+from bench_rollout import random_fp4_cache
 from trace_lightning.kernels import kv as kv_kernels
 
 from trace_lightning import kernels
-from trace_lightning.ops import FP4KVLayer
 
 SHAPES = ((64, 2048), (256, 2048), (250, 16896))  # (batch, context)
 VARIANTS = list(itertools.product((16, 32, 64), (2, 4), (2, 3), (4, 8, 16)))
@@ -27,13 +27,7 @@ def main() -> None:
     Hq, Hkv, Dh = 32, 4, 128
     for B, ctx in SHAPES:
         S = ctx + 1
-        layer = FP4KVLayer.allocate(B, Hkv, S, Dh, "cuda")
-        for b0 in range(0, B, 16):
-            n = min(16, B - b0)
-            kv = torch.randn(2, n, S, Hkv, Dh, device="cuda", dtype=torch.bfloat16)
-            sub = FP4KVLayer(*(getattr(layer, f)[b0:b0 + n] for f in ("k_packed", "k_scales", "k_global",
-                                                                       "v_packed", "v_scales", "v_global")))
-            kernels.kv_append(sub, kv[0], kv[1], torch.arange(S, device="cuda").expand(n, S))
+        layer = random_fp4_cache(B, Hkv, S, Dh)
         q = torch.randn(B, Hq, 1, Dh, device="cuda", dtype=torch.bfloat16)
         pos = torch.full((B, 1), ctx, device="cuda", dtype=torch.int64)
         results = []
