@@ -20,6 +20,7 @@ from torch import Tensor
 from trace_lightning.quant import NVFP4
 
 BACKENDS = ("auto", "triton", "sim")
+TRITON_MODULE, SIM_MODULE = "trace_lightning.kernels", "trace_lightning.sim"
 
 
 def interpreter_enabled() -> bool:
@@ -33,13 +34,18 @@ def backend_for(device: torch.device | str, choice: str = "auto") -> ModuleType:
         raise ValueError(f"unknown backend {choice!r}; expected one of {BACKENDS}")
     device = torch.device(device)
     if choice == "sim" or (choice == "auto" and device.type != "cuda"):
-        return importlib.import_module("trace_lightning.sim")
+        return importlib.import_module(SIM_MODULE)
     if device.type != "cuda" and not interpreter_enabled():
         raise ValueError(
             f"backend 'triton' on a {device.type} tensor needs TRITON_INTERPRET=1 set before triton is imported; "
             "use backend 'sim' (or 'auto') on CPU"
         )
-    return importlib.import_module("trace_lightning.kernels")
+    return importlib.import_module(TRITON_MODULE)
+
+
+def is_triton(ops: ModuleType) -> bool:
+    """Whether an op module from backend_for is the Triton one (callers pick fused paths by it)."""
+    return ops.__name__ == TRITON_MODULE
 
 
 @dataclass

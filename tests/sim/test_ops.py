@@ -9,6 +9,7 @@ from trace_lightning.ops import FP4KVLayer, backend_for
 
 def test_auto_is_sim_on_cpu_and_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert backend_for("cpu") is sim and backend_for(torch.device("cpu"), "sim") is sim
+    assert not ops.is_triton(sim)
     with pytest.raises(ValueError, match="unknown backend"):
         backend_for("cpu", "cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")

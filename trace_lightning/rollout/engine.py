@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from trace_lightning.model.model import ModelOutput
-from trace_lightning.ops import backend_for
+from trace_lightning.ops import backend_for, is_triton
 from trace_lightning.rollout.batch import CaptureSpec, FinishReason, RolloutBatch, SamplingParams
 from trace_lightning.rollout.cache import FP4KVCache, KVCache
 from trace_lightning.rollout.capture import FP4ActivationHook, Recorder, RowFakeQuantizer, fake_quantizer
@@ -52,7 +52,7 @@ class Engine:
         self.cuda_graph = cuda_graph  # decode steps replay as one CUDA graph on GPU (rollout/decode.py)
         # attention over the packed FP4 cache (one kernel reading 4.5-bit K/V); default on for Triton, where the
         # dequantize-then-SDPA fallback would move more bytes than a bf16 cache
-        self.fused_attention = self.ops.__name__.endswith("kernels") if fused_attention is None else fused_attention
+        self.fused_attention = is_triton(self.ops) if fused_attention is None else fused_attention
         self.policy_version = 0
         model.eval().requires_grad_(False)
         self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
