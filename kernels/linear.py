@@ -25,7 +25,7 @@ from trace_lightning.kernels._common import (
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile, unscale
+from trace_lightning.kernels._fp4 import dequant_tile_kperm, permute_k, unscale
 from trace_lightning.kernels.reduce import sum_partials
 from trace_lightning.sim._weights import global_strides
 
@@ -53,11 +53,12 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         s = tl.load(s_ptr + rn[:, None] * (K // 16) + sk[None, :], mask=(rn[:, None] < N) & (sk[None, :] < K // 16),
                     other=0)
-        w = dequant_tile(p, s, BLOCK_N, BLOCK_K, DTYPE, FAST)
+        w = dequant_tile_kperm(p, s, BLOCK_N, BLOCK_K, DTYPE, FAST)  # K in permute_k order on both sides
+        x = permute_k(x.to(DTYPE), BLOCK_M, BLOCK_K)
         if SWAP:
-            acc = tl.dot(w, tl.trans(x.to(DTYPE)), acc, input_precision=PREC)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
         else:
-            acc = tl.dot(x.to(DTYPE), tl.trans(w), acc, input_precision=PREC)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
     g = unscale(tl.load(g_ptr + rn * g_sn, mask=rn < N, other=0.0), FAST)
     if SWAP:
         acc = acc * g[:, None]

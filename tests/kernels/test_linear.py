@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from trace_lightning.kernels._fp4 import _permute_pairs, permute_k
 from trace_lightning.kernels.linear import linear
 from trace_lightning.sim.testing import quantize_weight
 
@@ -83,3 +86,29 @@ def test_sum_partials_matches_torch(device: str, dim: int) -> None:
     out = sum_partials(y, dim, torch.bfloat16)  # the interpreter's bf16 cast is not round-to-nearest: 1 ulp
     assert out.dtype == torch.bfloat16 and out.shape == ((7, 1500) if dim == 0 else (5, 1500))
     torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), rtol=2**-7, atol=0)
+
+
+@triton.jit
+def _orders(lo_ptr, hi_ptr, by_pairs_ptr, by_cols_ptr, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)
+    lo = tl.load(lo_ptr + r[:, None] * (C // 2) + tl.arange(0, C // 2)[None, :])
+    hi = tl.load(hi_ptr + r[:, None] * (C // 2) + tl.arange(0, C // 2)[None, :])
+    out = r[:, None] * C + tl.arange(0, C)[None, :]
+    tl.store(by_pairs_ptr + out, tl.reshape(tl.join(_permute_pairs(lo, R, C), _permute_pairs(hi, R, C)), (R, C)))
+    tl.store(by_cols_ptr + out, permute_k(tl.reshape(tl.join(lo, hi), (R, C)), R, C))
+
+
+def test_permute_k_orders_agree(device: str) -> None:
+    """The GEMMs contract K in permute_k order; the fast weight path gets there by permuting per-byte results
+    (_permute_pairs), the activation side by permuting columns. Both must give the same order, and that order
+    must be the documented one: column pair 4j + t holds stored pair (C / 8) t + j."""
+    for C in (16, 64, 128):
+        R = 4
+        natural = torch.arange(R * C, dtype=torch.int32, device=device).reshape(R, C)
+        by_pairs, by_cols = torch.empty_like(natural), torch.empty_like(natural)
+        _orders[(1,)](natural[:, 0::2].contiguous(), natural[:, 1::2].contiguous(), by_pairs, by_cols, R, C)
+        beta = torch.arange(C // 2)
+        stored_pair = (C // 8) * (beta % 4) + beta // 4
+        expected = natural.cpu()[:, torch.stack((2 * stored_pair, 2 * stored_pair + 1), dim=1).flatten()]
+        torch.testing.assert_close(by_cols.cpu(), expected, rtol=0, atol=0)
+        torch.testing.assert_close(by_pairs.cpu(), expected, rtol=0, atol=0)
