@@ -25,7 +25,7 @@ from trace_lightning.kernels._common import (
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile, unscale
+from trace_lightning.kernels._fp4 import dequant_tile_kperm, permute_k, unscale
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows
 from trace_lightning.kernels.reduce import sum_partials
 from trace_lightning.sim._weights import global_strides
@@ -66,6 +66,9 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.c
         seen += tl.sum(hot, axis=0)
 
 
+ALIGN_WARPS = 4  # one program does the whole sort; tools/sweep_moe.py times 4 / 8 / 16 warps
+
+
 def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, int]:
     """Sort (token, slot) pairs by expert into tiles: sorted pair ids [blocks * block_m] (padding = P) and
     each tile's expert [blocks] (== experts past the last tile). One launch, no host sync: `blocks` is an
@@ -76,7 +79,7 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat, sorted_ids, block_expert, P, experts, blocks, block_m, 128,
-                        max(16, triton.next_power_of_2(experts)), num_warps=4)
+                        max(16, triton.next_power_of_2(experts)), num_warps=ALIGN_WARPS)
     return sorted_ids, block_expert, blocks
 
 
@@ -112,19 +115,19 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
     for k0 in range(0, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=valid[:, None] & (rk[None, :] < D), other=0.0)
-        x = x.to(DTYPE)
+        x = permute_k(x.to(DTYPE), BLOCK_M, BLOCK_K)  # K in permute_k order on both sides
         hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         pm = nmask[:, None] & (hk[None, :] < D // 2)
         sm = nmask[:, None] & (sk[None, :] < D // 16)
-        wg = dequant_tile(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
+        wg = dequant_tile_kperm(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
                           tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
                           BLOCK_N, BLOCK_K, DTYPE, FAST)
         if SWAP:
             acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
-        wu = dequant_tile(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
+        wu = dequant_tile_kperm(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
                           tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
                           BLOCK_N, BLOCK_K, DTYPE, FAST)
         if SWAP:
@@ -167,16 +170,16 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
         hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         if QUANT_A:
-            a = dequant_tile(
+            a = dequant_tile_kperm(  # K in permute_k order on both sides
                 tl.load(a_ptr + safe[:, None] * (I // 2) + hk[None, :], mask=valid[:, None] & (hk[None, :] < I // 2),
                         other=0),
                 tl.load(as_ptr + safe[:, None] * (I // 16) + sk[None, :],
                         mask=valid[:, None] & (sk[None, :] < I // 16), other=0),
                 BLOCK_M, BLOCK_K, DTYPE, FAST)
         else:
-            a = tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=valid[:, None] & (rk[None, :] < I),
-                        other=0.0).to(DTYPE)
-        w = dequant_tile(
+            a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=valid[:, None] & (rk[None, :] < I),
+                                  other=0.0).to(DTYPE), BLOCK_M, BLOCK_K)
+        w = dequant_tile_kperm(
             tl.load(w_ptr + w_rows[:, None] * (I // 2) + hk[None, :], mask=nmask[:, None] & (hk[None, :] < I // 2),
                     other=0),
             tl.load(s_ptr + w_rows[:, None] * (I // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < I // 16),
@@ -216,12 +219,16 @@ def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) ->
     return block_m, 32 if tiles < 2 * sm_count(device) else 64
 
 
-# K tiles (sm_90 register counts from tools/sass_report.py): gate/up at 64 keeps ~128 registers (4 programs per
-# SM; 128 needs 216); down at 128 is 128 registers with 16-row tiles but 175 with 32, so wider tiles take 64.
-GATE_UP_BLOCK_K = 64
+# K tiles: with 16-row tiles 128 measured best for both GEMMs (tools/sweep_moe.py on an H200, permute_k loads:
+# gate/up 263 -> 251 us per MoE call at N = 64); wider tiles take 64 (down at 128 is 128 registers with 16 rows but
+# 175 with 32, sm_90 SASS; gate/up 64 was best at N = 256). GATE_UP_BLOCK_K overrides the gate/up choice.
+GATE_UP_BLOCK_K: int | None = None
+# Launch shapes tools/sweep_moe.py varies: (block_n or None for moe_config's choice, warps, stages) per GEMM.
+GATE_UP_LAUNCH: tuple[int | None, int, int] = (None, 4, 3)
+DOWN_LAUNCH: tuple[int | None, int, int] = (None, 4, 3)
 
 
-def down_block_k(block_m: int) -> int:
+def block_k_for(block_m: int) -> int:
     return 128 if block_m <= 16 else 64
 
 
@@ -247,17 +254,20 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
     else:
-        _GATE_UP[0][(blocks, triton.cdiv(I, block_n))](*args, block_n, GATE_UP_BLOCK_K, num_warps=4, num_stages=3)
+        block_n = GATE_UP_LAUNCH[0] or block_n
+        _GATE_UP[0][(blocks, triton.cdiv(I, block_n))](*args, block_n, GATE_UP_BLOCK_K or block_k_for(block_m),
+                                                       num_warps=GATE_UP_LAUNCH[1],
+                                                       num_stages=GATE_UP_LAUNCH[2])
     q = quantize_nvfp4_rows(h.view(N, k, I)) if quantize_intermediate else None
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
-    block_nd = moe_config(P, E, D, dev)[1]
+    block_nd = DOWN_LAUNCH[0] or moe_config(P, E, D, dev)[1]
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
             q is not None, dt, prec, swap_ab(), fast, block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
     else:
-        _DOWN[0][(blocks, triton.cdiv(D, block_nd))](*args, block_nd, down_block_k(block_m), num_warps=4,
-                                                       num_stages=3)
+        _DOWN[0][(blocks, triton.cdiv(D, block_nd))](*args, block_nd, block_k_for(block_m),
+                                                       num_warps=DOWN_LAUNCH[1], num_stages=DOWN_LAUNCH[2])
     return sum_partials(y.view(N, k, D), 1, x.dtype), q

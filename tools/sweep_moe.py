@@ -1,0 +1,67 @@
+"""Fused FP4 MoE launch sweep: gate/up (block_n, K tile, warps, stages), down (block_n, warps, stages), align.
+
+Run: python tools/sweep_moe.py   (CUDA only; graph-replayed median us of the whole fp4_moe call at decode sizes)
+Each GEMM is varied with the other at its default (they run one after the other, so their times add);
+the defaults are kernels/moe.py's GATE_UP_LAUNCH, GATE_UP_BLOCK_K and DOWN_LAUNCH.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from functools import partial
+
+import torch
+from _bench import graph_ms
+from trace_lightning.kernels import moe as moe_kernels
+
+from trace_lightning import kernels
+from trace_lightning.quant import tensor_global_scale
+
+BATCHES = (16, 64, 256)
+GATE_UP = [*itertools.product((32, 64, 128), (64, 128), (4, 8), (3,)), (64, 64, 4, 2), (64, 64, 4, 4)]
+DOWN = [*itertools.product((32, 64, 128), (4, 8), (3,)), (64, 4, 2), (64, 4, 4)]
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("sweep_moe needs a CUDA device")
+    torch.manual_seed(0)
+    E, D, I, k = 128, 2048, 768, 8
+    w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    q13 = kernels.quantize_nvfp4(w13, tensor_global_scale(w13, 2).unsqueeze(-1))
+    q2 = kernels.quantize_nvfp4(w2, tensor_global_scale(w2, 2).unsqueeze(-1))
+    defaults = (moe_kernels.GATE_UP_LAUNCH, moe_kernels.GATE_UP_BLOCK_K, moe_kernels.DOWN_LAUNCH)
+    for N in BATCHES:
+        x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+        gates, ids = torch.rand(N, E, device="cuda").softmax(-1).topk(k, dim=-1)
+        gates = (gates / gates.sum(-1, keepdim=True)).bfloat16()
+        call = partial(kernels.fp4_moe, x, q13, q2, ids, gates)
+        base = graph_ms(call) * 1e3
+        for name, variants in (("gate_up", GATE_UP), ("down", DOWN)):
+            results = []
+            for v in variants:
+                if name == "gate_up":
+                    moe_kernels.GATE_UP_LAUNCH, moe_kernels.GATE_UP_BLOCK_K = (v[0], v[2], v[3]), v[1]
+                else:
+                    moe_kernels.DOWN_LAUNCH = v
+                try:
+                    results.append((graph_ms(call) * 1e3, v))
+                except Exception as err:  # noqa: BLE001  (a shape that does not compile is a result too)
+                    print(f"# N={N} {name} {v}: {type(err).__name__}", file=sys.stderr)
+            moe_kernels.GATE_UP_LAUNCH, moe_kernels.GATE_UP_BLOCK_K, moe_kernels.DOWN_LAUNCH = defaults
+            results.sort()
+            best = "; ".join(f"{us:.0f} us {v}" for us, v in results[:4])
+            print(f"N={N} {name}: default {base:.0f} us; best {best}", flush=True)
+        block_m = moe_kernels.moe_config(N * k, E, I, x.device)[0]
+        align = {}
+        for warps in (4, 8, 16):
+            moe_kernels.ALIGN_WARPS = warps
+            align[warps] = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
+        moe_kernels.ALIGN_WARPS = 4
+        print(f"N={N} align_pairs us by warps: " + ", ".join(f"{w}: {us:.1f}" for w, us in align.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
