@@ -184,8 +184,20 @@ ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES, ATTN_PROGRAMS_PER_SM = (
 
 
 def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> int:
-    """Splits of the key range so that (B * Hkv * T) * splits programs fill the chip ATTN_PROGRAMS_PER_SM deep."""
-    return max(1, min(triton.cdiv(ATTN_PROGRAMS_PER_SM * sm_count(device), work), triton.cdiv(S, block_s), 64))
+    """Splits of the key range for (B * Hkv * T) = `work` rows: the fewest that minimise rounds x (key blocks
+    per program + 1), where a round is one wave of ATTN_PROGRAMS_PER_SM programs per SM (the kernel's
+    occupancy) and the + 1 is a program's fixed cost (q load, partial store, merge row). Filling the chip
+    without a partial last wave matters: at B = 64 / 2K context, 3 splits gave 768 programs = 1.45 waves
+    (ncu), so a second round of 11 blocks each; 2 splits is one round of 17."""
+    wave = ATTN_PROGRAMS_PER_SM * sm_count(device)
+    blocks = triton.cdiv(S, block_s)
+    best: tuple[int, int] | None = None
+    for splits in range(1, min(blocks, 64) + 1):
+        per = triton.cdiv(blocks, splits)
+        used = triton.cdiv(blocks, per)  # splits that hold keys at this split length
+        key = (triton.cdiv(work * used, wave) * (per + 1), used)
+        best = key if best is None or key < best else best
+    return best[1]
 
 
 def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: float,
