@@ -121,15 +121,15 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
         pm = nmask[:, None] & (hk[None, :] < D // 2)
         sm = nmask[:, None] & (sk[None, :] < D // 16)
         wg = dequant_tile_kperm(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
-                          tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
-                          BLOCK_N, BLOCK_K, DTYPE, FAST)
+                                tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
+                                BLOCK_N, BLOCK_K, DTYPE, FAST)
         if SWAP:
             acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
         wu = dequant_tile_kperm(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
-                          tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
-                          BLOCK_N, BLOCK_K, DTYPE, FAST)
+                                tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
+                                BLOCK_N, BLOCK_K, DTYPE, FAST)
         if SWAP:
             acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
         else:
@@ -229,6 +229,7 @@ DOWN_LAUNCH: tuple[int | None, int, int] = (None, 4, 3)
 
 
 def block_k_for(block_m: int) -> int:
+    """K tile of both MoE GEMMs for tiles of block_m pair rows (see above)."""
     return 128 if block_m <= 16 else 64
 
 
