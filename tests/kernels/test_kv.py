@@ -53,3 +53,22 @@ def test_attention_matches_sim(device: str, dtype: torch.dtype, splits: int | No
     assert out[1, :, 0].eq(0).all()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("batch", "splits"), [(1, 33), (16, 7), (64, 2), (256, 1)])
+def test_attention_splits_fill_whole_waves(monkeypatch: pytest.MonkeyPatch, batch: int, splits: int) -> None:
+    """On an H200 (132 SMs, 4 attention programs each) at 2K context, 64-key blocks, 4 kv heads: the split
+    count minimises rounds x (blocks per program + 1). At batch 64 that is 2 splits (512 programs, one wave of
+    17 blocks each), not the 3 a fill-the-chip rule picks (768 programs = 1.45 waves: two rounds of 11)."""
+    from trace_lightning.kernels import kv as kv_kernels
+
+    monkeypatch.setattr(kv_kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kv_kernels, "ATTN_PROGRAMS_PER_SM", 4)
+    work, blocks = batch * 4, 33  # 2049 keys in 64-key blocks
+    assert kv_kernels.attention_splits(work, 2049, 64, torch.device("cuda")) == splits
+
+    def cost(s: int) -> int:  # rounds x (blocks per program + 1), independent of the function under test
+        per = -(-blocks // s)
+        return -(-(work * -(-blocks // per)) // 528) * (per + 1)
+
+    assert cost(splits) == min(cost(s) for s in range(1, blocks + 1))
