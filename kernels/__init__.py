@@ -7,6 +7,7 @@ Triton or the sim is trace_lightning.ops.backend_for's job alone.
 from trace_lightning.kernels.kv import fp4_kv_attention, kv_append
 from trace_lightning.kernels.linear import fp4_linear
 from trace_lightning.kernels.moe import fp4_moe
+from trace_lightning.kernels.norm import rms_norm
 from trace_lightning.kernels.quantize import (
     fake_quantize_nvfp4_rows,
     pack_parity,
@@ -25,4 +26,5 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nvfp4",
     "quantize_nvfp4_rows",
+    "rms_norm",
 ]

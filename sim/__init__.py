@@ -7,6 +7,7 @@ Same signatures as trace_lightning.kernels; pick one through trace_lightning.ops
 from trace_lightning.sim.kv import fp4_kv_attention, kv_append
 from trace_lightning.sim.linear import fp4_linear
 from trace_lightning.sim.moe import fp4_moe
+from trace_lightning.sim.norm import rms_norm
 from trace_lightning.sim.quantize import (
     fake_quantize_nvfp4_rows,
     pack_parity,
@@ -25,4 +26,5 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nvfp4",
     "quantize_nvfp4_rows",
+    "rms_norm",
 ]

@@ -1,0 +1,59 @@
+"""RMSNorm in one launch: the rollout's norms were ~6 torch kernels each (cast, square, mean, rsqrt, scale,
+cast back, weight), about 60 us of a 4-layer FP4 decode step per layer at batch 64 (tools/profile_engine.py).
+
+Same arithmetic as the model's RMSNorm (the Hugging Face order): float32 mean of squares (a multiply by
+1 / D, as torch's mean does), rsqrt, scale, cast to the input dtype, then the weight product rounded once
+to the result dtype. Only the order of the float32 sum differs from torch's, so results agree to the last
+float32 bit of the mean, i.e. almost always bit for bit after the cast.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from trace_lightning.kernels._common import TL_DTYPES
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr):
+    """float32 x rounded to DTYPE to nearest even, also under the CPU interpreter (whose bf16 cast truncates)."""
+    if DTYPE == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x != x, x.to(tl.bfloat16), r)  # NaN: any NaN (the bit trick could carry out of it)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, inv_d, eps, X_DTYPE: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    mask = (r[:, None] < R) & (d[None, :] < D)
+    offs = r[:, None].to(tl.int64) * D + d[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
+    y = _round_to(x * inv[:, None], X_DTYPE).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _round_to(w[None, :] * y, out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * rmsnorm(x) over the last dim, in promote(weight, x) dtype (Triton)."""
+    D = x.shape[-1]
+    if weight.shape != (D,) or x.dtype not in TL_DTYPES or weight.dtype not in TL_DTYPES:
+        raise ValueError(f"rms_norm needs x [..., D] and weight [D] of float dtypes, got {tuple(x.shape)} "
+                         f"{x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    rows = x.reshape(-1, D)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block_d = triton.next_power_of_2(D)
+    per = max(1, min(64, 4096 // block_d))  # rows per program: ~4K elements in registers
+    R = rows.shape[0]
+    _rms_norm_kernel[(triton.cdiv(R, per),)](rows, weight.contiguous(), out, R, D, 1.0 / D, eps, TL_DTYPES[x.dtype],
+                                             per, block_d, num_warps=4)
+    return out.view(x.shape)

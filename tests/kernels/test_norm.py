@@ -1,0 +1,56 @@
+"""Triton rms_norm against the model's RMSNorm (through its sim twin): same values, float32 sum order aside."""
+
+import pytest
+import torch
+
+from trace_lightning import kernels, sim
+from trace_lightning.model.model import RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 2048), (4, 8, 128), (5, 96)])
+def test_rms_norm_matches_the_model(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    norm = RMSNorm(shape[-1], 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], generator=gen))
+    norm = norm.to(dtype)
+    expected = norm(x)
+    torch.testing.assert_close(sim.rms_norm(x, norm.weight, 1e-6), expected, rtol=0, atol=0)
+    got = kernels.rms_norm(x.to(device), norm.weight.detach().to(device), 1e-6).cpu()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    # only the float32 sum order differs: a last-bit difference of the mean, rarely visible after the cast
+    same = (got == expected).float().mean().item()
+    assert same >= (0.99 if dtype == torch.bfloat16 else 0.5)
+    torch.testing.assert_close(got, expected, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=0)
+
+
+def test_rms_norm_rejects_a_weight_of_the_wrong_width(device: str) -> None:
+    with pytest.raises(ValueError, match="weight"):
+        kernels.rms_norm(torch.ones(2, 64, device=device), torch.ones(32, device=device), 1e-6)
+
+
+def test_engine_runs_its_norms_through_the_kernel(device: str) -> None:
+    """A bf16 engine on the Triton backend sets every RMSNorm to the one-launch kernel and samples what the sim
+    backend's engine (the model's own norms) samples; on CPU bit for bit (the kernel rounds bf16 like torch)."""
+    import copy
+
+    from trace_lightning.model import Transformer
+    from trace_lightning.rollout import Engine, SamplingParams
+
+    torch.manual_seed(0)
+    model = Transformer.from_name("debug-moe", n_layers=2, init_std=0.08).eval().to(device)
+    prompts = [[1, 5, 6, 7], [1, 9, 3]]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    fused = Engine(copy.deepcopy(model), "bf16", backend="triton", cuda_graph=False)
+    plain = Engine(copy.deepcopy(model), "bf16", backend="sim")
+    norms = [m for m in fused.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.fused is kernels.rms_norm for m in norms)
+    assert all(m.fused is None for m in plain.model.modules() if isinstance(m, RMSNorm))
+    a, b = fused.generate(prompts, params), plain.generate(prompts, params)
+    assert a.responses == b.responses
+    if device == "cpu":
+        assert a.logprobs == b.logprobs
+    else:  # CUDA's torch reduces the mean of squares in another order: rare last-bit differences
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0.05)
