@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from trace_lightning.model.model import ModelOutput
+from trace_lightning.model.model import ModelOutput, RMSNorm
 from trace_lightning.ops import backend_for, is_triton
 from trace_lightning.rollout.batch import CaptureSpec, FinishReason, RolloutBatch, SamplingParams
 from trace_lightning.rollout.cache import FP4KVCache, KVCache
@@ -42,7 +42,8 @@ class Engine:
     """Generates from ``model`` at ``precision`` ("fp32", "bf16" or an FP4Precision) on the model's device."""
 
     def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
-                 sync_every: int = 8, fused_attention: bool | None = None, cuda_graph: bool = True) -> None:
+                 sync_every: int = 8, fused_attention: bool | None = None, fused_norms: bool | None = None,
+                 cuda_graph: bool = True) -> None:
         self.compute_dtype, self.fp4 = resolve_precision(precision)
         self.precision = precision
         self.config = model.config
@@ -61,6 +62,10 @@ class Engine:
                 self._fp4_weights = convert_to_fp4(model, self.fp4.weight_format, self.ops, self.compute_dtype)
             for p in model.parameters():
                 p.data = p.data.to(self.compute_dtype)
+        if is_triton(self.ops) if fused_norms is None else fused_norms:  # one launch per norm instead of ~6
+            for m in model.modules():
+                if isinstance(m, RMSNorm):
+                    m.fused = self.ops.rms_norm
         self._dense: dict[str, Tensor] = dict(model.state_dict(keep_vars=True))
         self.model = model
 
