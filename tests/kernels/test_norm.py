@@ -48,9 +48,24 @@ def test_engine_runs_its_norms_through_the_kernel(device: str) -> None:
     norms = [m for m in fused.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.fused is kernels.rms_norm for m in norms)
     assert all(m.fused is None for m in plain.model.modules() if isinstance(m, RMSNorm))
+    calls = []
+    for m in norms:  # count the kernel's calls: generate runs without autograd, so each norm takes it
+        m.fused = lambda *args, f=m.fused: calls.append(1) or f(*args)
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)
+    assert len(calls) >= len(norms) * 4  # prefill + 3 decode steps
     assert a.responses == b.responses
     if device == "cpu":
         assert a.logprobs == b.logprobs
     else:  # CUDA's torch reduces the mean of squares in another order: rare last-bit differences
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0.05)
+
+
+def test_a_fused_norm_leaves_training_to_the_autograd_path(device: str) -> None:
+    """The kernel has no backward: with gradients on, RMSNorm computes with torch ops even when fused is set."""
+    norm = RMSNorm(64, 1e-6).to(device)
+    norm.fused = kernels.rms_norm
+    x = torch.randn(3, 64, device=device, requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(norm(x), sim.rms_norm(x, norm.weight, 1e-6), rtol=1e-6, atol=0)

@@ -58,10 +58,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.fused: Callable[[Tensor, Tensor, float], Tensor] | None = None
-        """The same arithmetic in one launch, (x, weight, eps) -> out: the rollout engine sets ops.rms_norm on GPU."""
+        """The same arithmetic in one launch, (x, weight, eps) -> out, used when no gradient is recorded (it has no
+        backward): the rollout engine sets ops.rms_norm on GPU."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused is not None:
+        if self.fused is not None and not torch.is_grad_enabled():
             return self.fused(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -62,7 +62,8 @@ class Engine:
                 self._fp4_weights = convert_to_fp4(model, self.fp4.weight_format, self.ops, self.compute_dtype)
             for p in model.parameters():
                 p.data = p.data.to(self.compute_dtype)
-        if is_triton(self.ops) if fused_norms is None else fused_norms:  # one launch per norm instead of ~6
+        self.fused_norms = is_triton(self.ops) if fused_norms is None else fused_norms  # 1 launch per norm, not ~6
+        if self.fused_norms:
             for m in model.modules():
                 if isinstance(m, RMSNorm):
                     m.fused = self.ops.rms_norm
