@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the whole GPU story: parity tests, attention launch sweep, kernel / decode-step / long-rollout
 # benchmarks (the long one with the sweep's best attention shape for that size), engine check, HF peer baseline and
-# a per-kernel profile. Logs under $OUT; a short summary on stdout.   Usage: bash tools/gpu_full.sh
+# per-kernel profiles of the synthetic step and of the real engine. Logs under $OUT; a short summary on stdout.
+# Usage: bash tools/gpu_full.sh   (the MoE / linear launch sweeps are separate: tools/sweep_moe.py, sweep_linear.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRACE_LIGHTNING_AUTOTUNE=0
@@ -19,3 +20,4 @@ timeout 100 python3 gpu_engine_check.py 2>&1 | tee "$OUT/engine_check.log" | gre
 timeout 170 python3 bench_hf_peer.py --layers 4 --batches 1 64 --new-tokens 32 --prompt-len 256 2>&1 \
   | tee "$OUT/bench_hf.log" | grep "^|"
 timeout 60 python3 profile_step.py --layers 4 --batch 64 2>&1 | tee "$OUT/profile.log" | grep -A9 "fp4 batch"
+timeout 100 python3 profile_engine.py --layers 4 --batch 64 2>&1 | tee "$OUT/profile_engine.log" | grep -A6 "^## engine"
