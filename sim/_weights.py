@@ -25,11 +25,7 @@ def global_strides(w: NVFP4) -> tuple[Tensor, tuple[int, ...]]:
     if len(lead) >= 2 and g.numel() == lead[0]:
         return g, (1,) + (0,) * (len(lead) - 1)
     if g.numel() == torch.Size(lead).numel():
-        strides, step = [], 1
-        for size in reversed(lead):
-            strides.insert(0, step)
-            step *= size
-        return g, tuple(strides)
+        return g, g.view(lead).stride()
     raise ValueError(f"weight global scale of shape {tuple(w.global_scale.shape)} does not fit weight rows {lead}")
 
 
