@@ -221,11 +221,11 @@ def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) ->
 
 # K tiles: with 16-row tiles 128 measured best for both GEMMs (tools/sweep_moe.py on an H200, permute_k loads:
 # gate/up 263 -> 251 us per MoE call at N = 64); wider tiles take 64 (down at 128 is 128 registers with 16 rows but
-# 175 with 32, sm_90 SASS; gate/up 64 was best at N = 256). GATE_UP_BLOCK_K overrides the gate/up choice.
-GATE_UP_BLOCK_K: int | None = None
-# Launch shapes tools/sweep_moe.py varies: (block_n or None for moe_config's choice, warps, stages) per GEMM.
-GATE_UP_LAUNCH: tuple[int | None, int, int] = (None, 4, 3)
-DOWN_LAUNCH: tuple[int | None, int, int] = (None, 4, 3)
+# 175 with 32, sm_90 SASS; gate/up 64 was best at N = 256).
+# Launch shapes tools/sweep_moe.py varies, per GEMM: (block_n, block_k, warps, stages); None for block_n /
+# block_k keeps moe_config's / block_k_for's choice.
+GATE_UP_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
+DOWN_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
 
 
 def block_k_for(block_m: int) -> int:
@@ -255,20 +255,21 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
     else:
-        block_n = GATE_UP_LAUNCH[0] or block_n
-        _GATE_UP[0][(blocks, triton.cdiv(I, block_n))](*args, block_n, GATE_UP_BLOCK_K or block_k_for(block_m),
-                                                       num_warps=GATE_UP_LAUNCH[1],
-                                                       num_stages=GATE_UP_LAUNCH[2])
+        bn, bk, warps, stages = GATE_UP_LAUNCH
+        bn = bn or block_n
+        _GATE_UP[0][(blocks, triton.cdiv(I, bn))](*args, bn, bk or block_k_for(block_m), num_warps=warps,
+                                                  num_stages=stages)
     q = quantize_nvfp4_rows(h.view(N, k, I)) if quantize_intermediate else None
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
-    block_nd = DOWN_LAUNCH[0] or moe_config(P, E, D, dev)[1]
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
             q is not None, dt, prec, swap_ab(), fast, block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
     else:
-        _DOWN[0][(blocks, triton.cdiv(D, block_nd))](*args, block_nd, block_k_for(block_m),
-                                                       num_warps=DOWN_LAUNCH[1], num_stages=DOWN_LAUNCH[2])
+        bn, bk, warps, stages = DOWN_LAUNCH
+        bn = bn or moe_config(P, E, D, dev)[1]
+        _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, bn, bk or block_k_for(block_m), num_warps=warps,
+                                               num_stages=stages)
     return sum_partials(y.view(N, k, D), 1, x.dtype), q

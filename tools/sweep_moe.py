@@ -2,7 +2,7 @@
 
 Run: python tools/sweep_moe.py   (CUDA only; graph-replayed median us of the whole fp4_moe call at decode sizes)
 Each GEMM is varied with the other at its default (they run one after the other, so their times add);
-the defaults are kernels/moe.py's GATE_UP_LAUNCH, GATE_UP_BLOCK_K and DOWN_LAUNCH.
+the defaults are kernels/moe.py's GATE_UP_LAUNCH and DOWN_LAUNCH.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> None:
     w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
     q13 = kernels.quantize_nvfp4(w13, tensor_global_scale(w13, 2).unsqueeze(-1))
     q2 = kernels.quantize_nvfp4(w2, tensor_global_scale(w2, 2).unsqueeze(-1))
-    defaults = (moe_kernels.GATE_UP_LAUNCH, moe_kernels.GATE_UP_BLOCK_K, moe_kernels.DOWN_LAUNCH)
+    defaults = (moe_kernels.GATE_UP_LAUNCH, moe_kernels.DOWN_LAUNCH)
     for N in BATCHES:
         x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
         gates, ids = torch.rand(N, E, device="cuda").softmax(-1).topk(k, dim=-1)
@@ -43,14 +43,14 @@ def main() -> None:
             results = []
             for v in variants:
                 if name == "gate_up":
-                    moe_kernels.GATE_UP_LAUNCH, moe_kernels.GATE_UP_BLOCK_K = (v[0], v[2], v[3]), v[1]
+                    moe_kernels.GATE_UP_LAUNCH = v  # (block_n, block_k, warps, stages)
                 else:
-                    moe_kernels.DOWN_LAUNCH = v
+                    moe_kernels.DOWN_LAUNCH = (v[0], None, v[1], v[2])  # down keeps block_k_for's K tile
                 try:
                     results.append((graph_ms(call) * 1e3, v))
                 except Exception as err:  # noqa: BLE001  (a shape that does not compile is a result too)
                     print(f"# N={N} {name} {v}: {type(err).__name__}", file=sys.stderr)
-            moe_kernels.GATE_UP_LAUNCH, moe_kernels.GATE_UP_BLOCK_K, moe_kernels.DOWN_LAUNCH = defaults
+            moe_kernels.GATE_UP_LAUNCH, moe_kernels.DOWN_LAUNCH = defaults
             results.sort()
             best = "; ".join(f"{us:.0f} us {v}" for us, v in results[:4])
             print(f"N={N} {name}: default {base:.0f} us; best {best}", flush=True)
