@@ -152,6 +152,15 @@ def fill_caches(s: Shape, L: int, B: int, ctx: int) -> tuple[list[tuple[Tensor, 
     return bf16, fp4
 
 
+def step_inputs(s: Shape, B: int, ctx: int, device: str = "cuda") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(x [B, D] bf16, positions [B], cos, sin [1, 1, Dh]) of a decode step at position ctx (RoPE theta 1e6)."""
+    x = torch.randn(B, s.dim, device=device, dtype=torch.bfloat16)
+    pos = torch.full((B,), ctx, device=device, dtype=torch.int64)
+    inv = 1.0 / (1e6 ** (torch.arange(0, s.head_dim, 2, device=device).float() / s.head_dim))
+    ang = torch.cat([ctx * inv, ctx * inv]).to(torch.bfloat16)
+    return x, pos, ang.cos()[None, None], ang.sin()[None, None]
+
+
 def timed(fn) -> tuple[float, str]:  # noqa: ANN001
     replay = graph_of(fn)
     return (bench_ms(replay), "graph") if replay is not None else (bench_ms(fn), "eager")
@@ -160,11 +169,7 @@ def timed(fn) -> tuple[float, str]:  # noqa: ANN001
 def run_batch(rep: Report, s: Shape, layers: list[Layer], B: int, ctx: int, head: Tensor) -> None:
     L = len(layers)
     caches16, caches4 = fill_caches(s, L, B, ctx)
-    x = torch.randn(B, s.dim, device="cuda", dtype=torch.bfloat16)
-    pos = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
-    inv = 1.0 / (1e6 ** (torch.arange(0, s.head_dim, 2, device="cuda").float() / s.head_dim))
-    ang = torch.cat([ctx * inv, ctx * inv]).to(torch.bfloat16)
-    cos, sin = ang.cos()[None, None], ang.sin()[None, None]
+    x, pos, cos, sin = step_inputs(s, B, ctx)
     out16, out4 = torch.empty_like(x), torch.empty_like(x)
     ms16, mode16 = timed(partial(step, partial(bf16_layer, s), layers, caches16, x, out16, pos, cos, sin))
     ms4, mode4 = timed(partial(step, partial(fp4_layer, s), layers, caches4, x, out4, pos, cos, sin))
@@ -205,10 +210,7 @@ def max_batch(s: Shape, fp4: bool, seq_len: int, reserve_gb: float) -> int:
 
 def step_at(s: Shape, layers: list[Layer], fp4: bool, caches: list, B: int, ctx: int, head: Tensor) -> float:
     """Graph-replayed ms of one 48-layer decode step (measured layers scaled, lm_head added) at position ctx."""
-    x = torch.randn(B, s.dim, device="cuda", dtype=torch.bfloat16)
-    pos = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
-    cos = torch.ones(1, 1, s.head_dim, device="cuda", dtype=torch.bfloat16)
-    sin = torch.zeros_like(cos)
+    x, pos, cos, sin = step_inputs(s, B, ctx)
     out = torch.empty_like(x)
     if fp4:
         fn = partial(step, partial(fp4_layer, s), layers, caches, x, out, pos, cos, sin)

@@ -13,7 +13,7 @@ import sys
 from functools import partial
 
 import torch
-from bench_rollout import Layer, Shape, bf16_layer, fill_caches, fp4_layer, step
+from bench_rollout import Layer, Shape, bf16_layer, fill_caches, fp4_layer, step, step_inputs
 
 
 def main() -> None:
@@ -30,10 +30,7 @@ def main() -> None:
     s = Shape()
     layers = [Layer(s) for _ in range(args.layers)]
     caches16, caches4 = fill_caches(s, args.layers, args.batch, args.ctx)
-    x = torch.randn(args.batch, s.dim, device="cuda", dtype=torch.bfloat16)
-    pos = torch.full((args.batch,), args.ctx, device="cuda", dtype=torch.int64)
-    ang = torch.zeros(s.head_dim, device="cuda", dtype=torch.bfloat16)
-    cos, sin = ang.cos()[None, None], ang.sin()[None, None]
+    x, pos, cos, sin = step_inputs(s, args.batch, args.ctx)
     layer_fn, caches = (fp4_layer, caches4) if args.path == "fp4" else (bf16_layer, caches16)
     run = partial(step, partial(layer_fn, s), layers, caches, x, torch.empty_like(x), pos, cos, sin)
     for _ in range(args.steps):

@@ -13,7 +13,7 @@ import sys
 from functools import partial
 
 import torch
-from bench_rollout import Layer, Shape, bf16_layer, fill_caches, fp4_layer, step
+from bench_rollout import Layer, Shape, bf16_layer, fill_caches, fp4_layer, step, step_inputs
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -47,10 +47,7 @@ def main() -> None:
     layers = [Layer(s) for _ in range(args.layers)]
     for B in args.batch:
         caches16, caches4 = fill_caches(s, args.layers, B, args.ctx)
-        x = torch.randn(B, s.dim, device="cuda", dtype=torch.bfloat16)
-        pos = torch.full((B,), args.ctx, device="cuda", dtype=torch.int64)
-        ang = torch.zeros(s.head_dim, device="cuda", dtype=torch.bfloat16)
-        cos, sin = ang.cos()[None, None], ang.sin()[None, None]
+        x, pos, cos, sin = step_inputs(s, B, args.ctx)
         out = torch.empty_like(x)
         for name, layer_fn, caches in (("bf16", bf16_layer, caches16), ("fp4", fp4_layer, caches4)):
             times, total = kernel_times(partial(step, partial(layer_fn, s), layers, caches, x, out, pos, cos, sin))
