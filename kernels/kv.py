@@ -10,6 +10,7 @@ and merged by a second small kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -189,8 +190,12 @@ def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> i
     occupancy) and the + 1 is a program's fixed cost (q load, partial store, merge row). Filling the chip
     without a partial last wave matters: at B = 64 / 2K context, 3 splits gave 768 programs = 1.45 waves
     (ncu), so a second round of 11 blocks each; 2 splits is one round of 17."""
-    wave = ATTN_PROGRAMS_PER_SM * sm_count(device)
-    blocks = triton.cdiv(S, block_s)
+    return _best_splits(work, triton.cdiv(S, block_s), ATTN_PROGRAMS_PER_SM * sm_count(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _best_splits(work: int, blocks: int, wave: int) -> int:
+    """attention_splits' search, cached: eager decode steps ask it once per layer with the same shape."""
     best: tuple[int, int] | None = None
     for splits in range(1, min(blocks, 64) + 1):
         per = triton.cdiv(blocks, splits)
