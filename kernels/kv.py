@@ -27,8 +27,8 @@ from trace_lightning.kernels._common import (
     sm_count,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile, nan_free_abs, unscale
-from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_amax
+from trace_lightning.kernels._fp4 import abs_bits_max, dequant_tile, unscale
+from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_bits
 
 from trace_lightning.quant import NVFP4
 
@@ -42,8 +42,7 @@ def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, r
     cols = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + rows[:, None] * DH + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < DH),
                 other=0.0).to(tl.float32)
-    a, n = nan_free_abs(x)
-    g = row_global_from_amax(tl.max(a, axis=1), tl.max(n, axis=1), RECIP)
+    g = row_global_from_bits(abs_bits_max(x, 1), RECIP)
     inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
     packed, byte = nvfp4_tile(x, g, inv_g, True, RECIP, BLOCK_R, BLOCK_D)
     half = tl.arange(0, BLOCK_D // 2)

@@ -13,11 +13,11 @@ import triton.language as tl
 from torch import Tensor
 from trace_lightning.kernels._common import sm_count
 from trace_lightning.kernels._fp4 import (
+    abs_bits_max,
     e2m1_to_f16_scaled,
     e4m3_round_byte,
     e4m3_to_f32,
     encode_e2m1,
-    nan_free_abs,
     pack_codes,
     unpack_codes,
 )
@@ -45,23 +45,21 @@ def div_scalar(x, d: tl.constexpr, inv_d: tl.constexpr, RECIP: tl.constexpr):
 @triton.jit
 def row_global(x_ptr, R, K, rows, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per-row global amax / 2688 floored at 2^-120; NaN for a row holding NaN, inf for one holding inf."""
-    amax = tl.zeros((BLOCK_R,), tl.float32)
-    nan = tl.zeros((BLOCK_R,), tl.int32)
+    amax_bits = tl.zeros((BLOCK_R,), tl.int32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = (rows[:, None] < R) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        a, n = nan_free_abs(x)
-        amax = tl.maximum(amax, tl.max(a, axis=1))
-        nan = tl.maximum(nan, tl.max(n, axis=1))
-    return row_global_from_amax(amax, nan, RECIP)
+        amax_bits = tl.maximum(amax_bits, abs_bits_max(x, 1))
+    return row_global_from_bits(amax_bits, RECIP)
 
 
 @triton.jit
-def row_global_from_amax(amax, nan, RECIP: tl.constexpr):
-    """clamp(amax / (448 * 6), min=2^-120), NaN where the row held NaN (amax is NaN-free, inf kept)."""
+def row_global_from_bits(amax_bits, RECIP: tl.constexpr):
+    """clamp(amax / (448 * 6), min=2^-120) from abs_bits_max's key; NaN where the row held NaN, inf kept."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
     g = tl.maximum(div_scalar(amax, 2688.0, INV_2688, RECIP), 7.52316384526264e-37)  # 2^-120
-    return tl.where(nan != 0, float("nan"), g)
+    return tl.where(amax_bits > 0x7F800000, float("nan"), g)
 
 
 @triton.jit
@@ -71,10 +69,9 @@ def nvfp4_tile(x, g, inv_g, HAS_GLOBAL: tl.constexpr, RECIP: tl.constexpr, BLOCK
     -> (packed uint8 [BLOCK_R, BLOCK_K // 2], scale bytes int32 [BLOCK_R, BLOCK_K // 16])."""
     NB: tl.constexpr = BLOCK_K // 16
     xb = tl.reshape(x, (BLOCK_R, NB, 16))
-    a, n = nan_free_abs(xb)
-    amax = tl.max(a, axis=2)
-    bad = (tl.max(n, axis=2) != 0) | (amax == float("inf"))
-    bs = div_scalar(amax, 6.0, INV_6, RECIP)
+    amax_bits = abs_bits_max(xb, 2)
+    bad = amax_bits >= 0x7F800000  # NaN or inf in the block
+    bs = div_scalar(amax_bits.to(tl.float32, bitcast=True), 6.0, INV_6, RECIP)
     if HAS_GLOBAL:
         bs = tl.math.div_rn(bs, g[:, None])
         bad = bad | ~(tl.abs(g) < float("inf"))[:, None]
@@ -90,32 +87,54 @@ def nvfp4_tile(x, g, inv_g, HAS_GLOBAL: tl.constexpr, RECIP: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
-                  RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _nvfp4_chunk(x, k0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr,
+                 DEQUANT: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Quantize the loaded float32 chunk x = columns k0 .. k0 + BLOCK_K of `rows` and store its bytes."""
     NB: tl.constexpr = BLOCK_K // 16
-    if MODE == 2:
-        g = row_global(x_ptr, R, K, rows, RECIP, BLOCK_R, BLOCK_K)
-        tl.store(g_ptr + rows, g, mask=rows < R)
-    else:
-        g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
-    inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
-    for k0 in range(0, K, BLOCK_K):
+    packed, byte = nvfp4_tile(x, g, inv_g, MODE != 0, RECIP, BLOCK_R, BLOCK_K)
+    ok = rows[:, None] < R
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], packed, mask=ok & (half[None, :] < K // 2))
+    nb = k0 // 16 + tl.arange(0, NB)
+    tl.store(scales_ptr + rows[:, None] * (K // 16) + nb[None, :], byte.to(tl.uint8), mask=ok & (nb[None, :] < K // 16))
+    if DEQUANT:  # NVFP4.dequantize's order: value * (scale * global), then the cast
         cols = k0 + tl.arange(0, BLOCK_K)
-        mask = (rows[:, None] < R) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        packed, byte = nvfp4_tile(x, g, inv_g, MODE != 0, RECIP, BLOCK_R, BLOCK_K)
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], packed,
-                 mask=(rows[:, None] < R) & (half[None, :] < K // 2))
-        nb = k0 // 16 + tl.arange(0, NB)
-        tl.store(scales_ptr + rows[:, None] * (K // 16) + nb[None, :], byte.to(tl.uint8),
-                 mask=(rows[:, None] < R) & (nb[None, :] < K // 16))
-        if DEQUANT:  # NVFP4.dequantize's order: value * (scale * global), then the cast
-            values = e2m1_to_f16_scaled(unpack_codes(packed, BLOCK_R, BLOCK_K)).to(tl.float32) * 16384.0
-            mult = e4m3_to_f32(byte) * g[:, None]
-            dq = tl.reshape(tl.reshape(values, (BLOCK_R, NB, 16)) * mult[:, :, None], (BLOCK_R, BLOCK_K))
-            tl.store(dq_ptr + rows[:, None] * K + cols[None, :], dq.to(dq_ptr.dtype.element_ty), mask=mask)
+        values = e2m1_to_f16_scaled(unpack_codes(packed, BLOCK_R, BLOCK_K)).to(tl.float32) * 16384.0
+        mult = e4m3_to_f32(byte) * g[:, None]
+        dq = tl.reshape(tl.reshape(values, (BLOCK_R, NB, 16)) * mult[:, :, None], (BLOCK_R, BLOCK_K))
+        tl.store(dq_ptr + rows[:, None] * K + cols[None, :], dq.to(dq_ptr.dtype.element_ty),
+                 mask=ok & (cols[None, :] < K))
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
+                  RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if ONE_PASS:  # whole rows in one chunk: read x once, row amax included
+        cols = tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < K),
+                    other=0.0).to(tl.float32)
+        if MODE == 2:
+            g = row_global_from_bits(abs_bits_max(x, 1), RECIP)
+            tl.store(g_ptr + rows, g, mask=rows < R)
+        else:
+            g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
+        inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
+        _nvfp4_chunk(x, 0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MODE, DEQUANT, RECIP,
+                     BLOCK_R, BLOCK_K)
+    else:
+        if MODE == 2:
+            g = row_global(x_ptr, R, K, rows, RECIP, BLOCK_R, BLOCK_K)
+            tl.store(g_ptr + rows, g, mask=rows < R)
+        else:
+            g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
+        inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < K),
+                        other=0.0).to(tl.float32)
+            _nvfp4_chunk(x, k0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MODE, DEQUANT, RECIP,
+                         BLOCK_R, BLOCK_K)
 
 
 @triton.jit
@@ -147,9 +166,9 @@ def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECI
         mask = (rows[:, None] < R) & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         xb = tl.reshape(x, (BLOCK_R, NB, 32))
-        a, n = nan_free_abs(xb)
-        amax = tl.max(a, axis=2)
-        bad = (tl.max(n, axis=2) != 0) | (amax == float("inf"))
+        amax_bits = abs_bits_max(xb, 2)
+        bad = amax_bits >= 0x7F800000  # NaN or inf in the block (whose scale byte then is 255)
+        amax = amax_bits.to(tl.float32, bitcast=True)
         if RCEIL:
             exp = tl.minimum(tl.maximum(_rceil_exponent(div_scalar(amax, 6.0, INV_6, RECIP)), -127), 127)
             biased = tl.where(bad, 255, exp + 127)
@@ -157,7 +176,7 @@ def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECI
             r = tl.where(biased == 0, 1.0, tl.where(biased == 254, 5.877471754111438e-39, rb))  # 2^-127
             r = tl.where(biased == 255, float("nan"), r)
         else:
-            exp = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129
+            exp = (amax_bits >> 23) - 129
             biased = tl.where(bad, 255, tl.minimum(tl.maximum(exp, -127), 128) + 127)
             r = ((254 - tl.maximum(biased, 1)) << 23).to(tl.float32, bitcast=True)  # 1 / max(scale, 2^-126)
             r = tl.where(biased == 255, 0.0, r)  # x / inf
@@ -187,14 +206,15 @@ def _rows_view(x: Tensor, block: int) -> Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def _launch_shape(R: int, K: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_K): whole rows up to 4096 wide (one pass), and few enough rows per program that a
+def _launch_shape(R: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, warps): whole rows up to 8192 wide (one pass: the row-global mode would otherwise
+    read each row twice), about 32 elements per thread, and few enough rows per program that a
     decode-sized activation ([64, 2048]) still spreads over the chip instead of 4 programs walking it."""
-    block_k = triton.next_power_of_2(K) if K <= 4096 else 256
+    block_k = triton.next_power_of_2(K) if K <= 8192 else 256
     block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
     while block_r > 1 and triton.cdiv(R, block_r) < 2 * sm_count(device):
         block_r //= 2
-    return block_r, block_k
+    return block_r, block_k, max(4, block_r * block_k // 1024)
 
 
 def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -203,9 +223,10 @@ def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None) -> 
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 16, dtype=torch.uint8, device=x.device)
     g_rows = torch.empty(R, dtype=torch.float32, device=x.device) if g is None else g
-    block_r, block_k = _launch_shape(R, K, x.device)
+    block_r, block_k, warps = _launch_shape(R, K, x.device)
     _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, packed, scales, packed if dq is None else dq, R, K, mode,
-                                              dq is not None, x.device.type == "cuda", block_r, block_k, num_warps=4)
+                                              dq is not None, x.device.type == "cuda", block_k >= K, block_r,
+                                              block_k, num_warps=warps)
     lead = tuple(x.shape[:-1])
     return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
 
@@ -239,10 +260,9 @@ def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
     R, K = x2.shape
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 32, dtype=torch.uint8, device=x.device)
-    block_r, block_k = _launch_shape(R, K, x.device)
+    block_r, block_k, warps = _launch_shape(R, K, x.device)
     _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed, scales, R, K, mode == "rceil", x.device.type == "cuda",
-                                              block_r, block_k,
-                                              num_warps=4)
+                                              block_r, block_k, num_warps=warps)
     lead = tuple(x.shape[:-1])
     return MXFP4(packed=packed.view(*lead, K // 2), scales=scales.view(*lead, K // 32).view(torch.float8_e8m0fnu),
                  mode=mode)

@@ -21,6 +21,7 @@ import triton.language as tl
 from trace_lightning.kernels.kv import _attn_split_kernel
 from trace_lightning.kernels.linear import _linear_kernel
 from trace_lightning.kernels.moe import _down_kernel, _gate_up_kernel
+from trace_lightning.kernels.quantize import _mxfp4_kernel, _nvfp4_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -28,7 +29,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 PTR = {"ids_ptr": "*i64", "bexp_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "a_ptr": "*u8", "as_ptr": "*u8",
        "g_ptr": "*fp32", "ag_ptr": "*fp32", "tw_ptr": "*bf16", "h_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32",
        "x_ptr": "*bf16", "q_ptr": "*bf16", "pos_ptr": "*i64", "kp": "*u8", "ks": "*u8", "kg": "*fp32", "vp": "*u8",
-       "vs": "*u8", "vg": "*fp32", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32"}
+       "vs": "*u8", "vg": "*fp32", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32",
+       "packed_ptr": "*u8", "scales_ptr": "*u8", "dq_ptr": "*bf16"}
 # int arguments that real launches pass as multiples of 16 (Triton specializes those as divisible by 16)
 DIV16 = {"N", "K", "K_SPLIT", "D", "I", "S", "SPLIT_LEN"}
 
@@ -85,6 +87,10 @@ CASES = {
                                 "BLOCK_N": 64, "BLOCK_K": 128}),
     "attention": (_attn_split_kernel, {"G": 8, "DH": 128, "BLOCK_G": 16, "BLOCK_S": 64, "DTYPE": tl.bfloat16,
                                        "PREC": "tf32", "FAST": 1}),
+    # the quantizers at the benchmark's shape (K = 8192: one row per program, one pass; run with --warps 8)
+    "nvfp4_rows": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
+                                   "BLOCK_K": 8192}),
+    "mxfp4_floor": (_mxfp4_kernel, {"RCEIL": 0, "RECIP": 1, "BLOCK_R": 1, "BLOCK_K": 8192}),
 }
 
 

@@ -2,8 +2,13 @@
 
 import math
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
+from trace_lightning.kernels._fp4 import encode_e2m1
 
 from trace_lightning import kernels, sim
 from trace_lightning.quant import BlockFP4
@@ -45,8 +50,33 @@ def special_rows(block: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
+@triton.jit
+def _encode_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, encode_e2m1(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_encode_e2m1_equals_ml_dtypes_near_every_threshold(device: str) -> None:
+    """The device encoder (float32 rounding, no compares) gives ml_dtypes' saturating RNE E2M1 code for every
+    float32 within 4 ulps of each rounding threshold and grid point, both signs, and over 2^-140 .. 2^100."""
+    points = np.array(TIES + [6.0, 7.0, 8.0, 1e30, 3.4e38], dtype=np.float32)
+    ulps = np.arange(-4, 5, dtype=np.int32)
+    near = (points.view(np.int32)[:, None] + ulps[None, :]).reshape(-1).view(np.float32)
+    near = near[np.isfinite(near)]  # 0 minus an ulp is a NaN pattern; the sign flip below covers it
+    wide = np.exp2(np.random.default_rng(0).uniform(-140, 100, 4096)).astype(np.float32)
+    x = np.concatenate([near, wide, [0.0, 1e-45, np.inf], np.arange(0, 8, 1 / 64, dtype=np.float32)])
+    x = np.concatenate([x, -x]).astype(np.float32)
+    expected = torch.from_numpy(x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8).astype(np.int32))
+    out = torch.empty(x.size, dtype=torch.int32, device=device)
+    _encode_kernel[(triton.cdiv(x.size, 1024),)](torch.from_numpy(x).to(device), out, x.size, 1024)
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+    nan = torch.full((16,), float("nan"), device=device)
+    _encode_kernel[(1,)](nan, out, 16, 16)
+    assert out[:16].eq(7).all()  # NaN -> 7 (the sim's rule; E2M1 has no NaN)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 5, 48), (7, 640), (1, 16)])
+@pytest.mark.parametrize("shape", [(3, 5, 48), (7, 640), (1, 16), (2, 8192), (3, 8448)])  # 1 pass / chunks
 def test_nvfp4_random_bytes(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=gen) * torch.exp2(torch.randint(-8, 8, shape[:-1] + (1,), generator=gen)))
@@ -78,7 +108,8 @@ def test_nvfp4_every_scale_byte_and_tie(device: str) -> None:
 def test_mxfp4_random_and_special_bytes(device: str, mode: str) -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 320, generator=gen) * torch.exp2(torch.randint(-20, 20, (6, 1), generator=gen))
-    for t in (x, x.bfloat16(), special_rows(32)):
+    wide = torch.randn(2, 8448, generator=gen)  # walked in 256-wide chunks
+    for t in (x, x.bfloat16(), special_rows(32), wide):
         t = t.to(device)
         assert_same(kernels.quantize_mxfp4(t, mode), sim.quantize_mxfp4(t, mode))
 
