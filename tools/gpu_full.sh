@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the whole GPU story: parity tests, attention launch sweep, kernel / decode-step / long-rollout
-# benchmarks (the long one with the sweep's best attention shape for that size), engine check, HF peer baseline and
+# (quantizers included) benchmarks (the long one with the sweep's best attention shape for that size), engine check, HF peer baseline and
 # per-kernel profiles of the synthetic step and of the real engine. Logs under $OUT; a short summary on stdout.
 # Usage: bash tools/gpu_full.sh   (the MoE / linear launch sweeps are separate: tools/sweep_moe.py, sweep_linear.py)
 set -uo pipefail
@@ -15,7 +15,7 @@ LONG=$(grep "BEST B=250" "$OUT/sweep_attention.log" | sed 's/.*TRACE_LIGHTNING_A
 timeout 100 python3 bench_rollout.py --layers 8 --batches 1 16 64 256 2>&1 | tee "$OUT/bench_rollout.log" | grep "^| fp4\|^| bf16" | cut -d'|' -f2,3,6,7,8,12,13
 TRACE_LIGHTNING_ATTN_SHAPE=${LONG:-32,4,2,8} timeout 120 python3 bench_rollout.py --layers 8 --long 16384 2>&1 \
   | tee "$OUT/bench_long.log" | grep "^| fp4\|^| bf16\|FP4 / BF16"
-timeout 100 python3 bench_kernels.py --only linear moe attn 2>&1 | tee "$OUT/bench_kernels.log" | grep "fp4\|bf16" | cut -d'|' -f2-4,7-8
+timeout 150 python3 bench_kernels.py --only copy quant linear moe attn 2>&1 | tee "$OUT/bench_kernels.log" | grep "fp4\|bf16" | cut -d'|' -f2-4,7-8
 timeout 100 python3 gpu_engine_check.py 2>&1 | tee "$OUT/engine_check.log" | grep cuda_graph
 timeout 170 python3 bench_hf_peer.py --layers 4 --batches 1 64 --new-tokens 32 --prompt-len 256 2>&1 \
   | tee "$OUT/bench_hf.log" | grep "^|"
