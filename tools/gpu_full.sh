@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call for the whole GPU story: parity tests, attention launch sweep, kernel / decode-step / long-rollout
-# (quantizers included) benchmarks (the long one with the sweep's best attention shape for that size), engine check, HF peer baseline and
+# One device call for the whole GPU story: parity tests, attention launch sweep, kernel (quantizers included) /
+# decode-step / long-rollout benchmarks (the long one with the sweep's best attention shape for that size), engine
+# check, HF peer baseline and
 # per-kernel profiles of the synthetic step and of the real engine. Logs under $OUT; a short summary on stdout.
 # Usage: bash tools/gpu_full.sh   (the MoE / linear launch sweeps are separate: tools/sweep_moe.py, sweep_linear.py)
 set -uo pipefail
