@@ -43,14 +43,19 @@ def div_scalar(x, d: tl.constexpr, inv_d: tl.constexpr, RECIP: tl.constexpr):
 
 
 @triton.jit
+def load_chunk(x_ptr, rows, k0, R, K, BLOCK_K: tl.constexpr):
+    """float32 columns k0 .. k0 + BLOCK_K of `rows` of the row-major [R, K] x (0 outside)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < R) & (cols[None, :] < K)
+    return tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def row_global(x_ptr, R, K, rows, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per-row global amax / 2688 floored at 2^-120; NaN for a row holding NaN, inf for one holding inf."""
     amax_bits = tl.zeros((BLOCK_R,), tl.int32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = (rows[:, None] < R) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax_bits = tl.maximum(amax_bits, abs_bits_max(x, 1))
+        amax_bits = tl.maximum(amax_bits, abs_bits_max(load_chunk(x_ptr, rows, k0, R, K, BLOCK_K), 1))
     return row_global_from_bits(amax_bits, RECIP)
 
 
@@ -110,31 +115,24 @@ def _nvfp4_chunk(x, k0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MO
 def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
                   RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    if ONE_PASS:  # whole rows in one chunk: read x once, row amax included
-        cols = tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < K),
-                    other=0.0).to(tl.float32)
-        if MODE == 2:
+    if ONE_PASS:  # whole rows in one chunk: x is read once, the row amax included
+        x = load_chunk(x_ptr, rows, 0, R, K, BLOCK_K)
+    if MODE == 2:
+        if ONE_PASS:
             g = row_global_from_bits(abs_bits_max(x, 1), RECIP)
-            tl.store(g_ptr + rows, g, mask=rows < R)
         else:
-            g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
-        inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
+            g = row_global(x_ptr, R, K, rows, RECIP, BLOCK_R, BLOCK_K)
+        tl.store(g_ptr + rows, g, mask=rows < R)
+    else:
+        g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
+    inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
+    if ONE_PASS:
         _nvfp4_chunk(x, 0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MODE, DEQUANT, RECIP,
                      BLOCK_R, BLOCK_K)
     else:
-        if MODE == 2:
-            g = row_global(x_ptr, R, K, rows, RECIP, BLOCK_R, BLOCK_K)
-            tl.store(g_ptr + rows, g, mask=rows < R)
-        else:
-            g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
-        inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < K),
-                        other=0.0).to(tl.float32)
-            _nvfp4_chunk(x, k0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MODE, DEQUANT, RECIP,
-                         BLOCK_R, BLOCK_K)
+            _nvfp4_chunk(load_chunk(x_ptr, rows, k0, R, K, BLOCK_K), k0, rows, g, inv_g, packed_ptr, scales_ptr,
+                         dq_ptr, R, K, MODE, DEQUANT, RECIP, BLOCK_R, BLOCK_K)
 
 
 @triton.jit
@@ -162,10 +160,7 @@ def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECI
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     NB: tl.constexpr = BLOCK_K // 32
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = (rows[:, None] < R) & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        xb = tl.reshape(x, (BLOCK_R, NB, 32))
+        xb = tl.reshape(load_chunk(x_ptr, rows, k0, R, K, BLOCK_K), (BLOCK_R, NB, 32))
         amax_bits = abs_bits_max(xb, 2)
         bad = amax_bits >= 0x7F800000  # NaN or inf in the block (whose scale byte then is 255)
         amax = amax_bits.to(tl.float32, bitcast=True)
