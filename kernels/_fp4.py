@@ -113,12 +113,56 @@ def _codes_times_scale(byte, scale_pair):
 
 
 @triton.jit
-def _dequant_pairs_bf16(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """(lo, hi) bf16 [ROWS, COLS // 2]: each packed byte's two codes times its block scale times 2^-7."""
+def _word_codes_times_scale(word, scale_pair):
+    """The four int32 bf16x2 (c[2i], c[2i + 1]) * scale pair, i = 0..3, of int32 words in the kernels' word
+    layout (kernels/layout.py): 9 bit instructions and 4 bf16x2 multiplies per 4 bytes, against ~24 for
+    `_codes_times_scale` on stored bytes (which also has to isolate each byte first)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, u;
+        and.b32 t, $4, 0x81C081C0;
+        mul.rn.bf16x2 $0, t, $5;
+        shf.r.wrap.b32 t, $4, $4, 4;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $1, t, $5;
+        shf.r.wrap.b32 t, $4, $4, 10;
+        and.b32 t, t, 0x81C081C0;
+        mul.rn.bf16x2 $2, t, $5;
+        shf.l.wrap.b32 t, $4, $4, 2;
+        shf.l.wrap.b32 u, $4, $4, 10;
+        and.b32 t, t, 0x00400040;
+        and.b32 u, u, 0x81808180;
+        or.b32 t, t, u;
+        mul.rn.bf16x2 $3, t, $5;
+        }""",
+        "=r,=r,=r,=r,r,r", [word, scale_pair], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+        pack=1)
+
+
+@triton.jit
+def _split_bf16x2(pair):
+    """(lo, hi) bf16 halves of int32 bf16x2 values: a register view, no instruction."""
+    return tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+
+@triton.jit
+def _dequant_pairs_bf16(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, WORDS: tl.constexpr = False):
+    """(lo, hi) bf16 [ROWS, COLS // 2]: each packed byte's two codes times its block scale times 2^-7.
+
+    WORDS: `packed` is int32 [ROWS, COLS // 8], words in the kernels' word layout (loaded as int32 so that
+    each word's 4 bytes are one register whatever layout the compiler picks for the tile)."""
     s = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _POW2_119  # NaN scale byte stays NaN
     half = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    pair = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (ROWS, COLS // 16, 8)), (ROWS, COLS // 2))
-    return _codes_times_scale(packed.to(tl.int32), pair)
+    if WORDS:
+        pair = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (ROWS, COLS // 16, 2)),
+                          (ROWS, COLS // 8))
+        p0, p1, p2, p3 = _word_codes_times_scale(packed, pair)
+        return _split_bf16x2(tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (ROWS, COLS // 2)))
+    else:
+        pair = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (ROWS, COLS // 16, 8)),
+                          (ROWS, COLS // 2))
+        return _codes_times_scale(packed.to(tl.int32), pair)
 
 
 @triton.jit
@@ -150,13 +194,14 @@ def permute_k(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def dequant_tile_kperm(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr,
-                       FAST: tl.constexpr):
+                       FAST: tl.constexpr, WORDS: tl.constexpr = False):
     """permute_k(dequant_tile(...)): the weight operand of a K contraction whose other operand is permuted too.
 
     The fast path dequantizes in stored order and permutes the results, so each thread's bytes and scale
-    stay contiguous; the portable path permutes the dequantized tile."""
+    stay contiguous; the portable path permutes the dequantized tile. WORDS (fast path only, which
+    layout.readable_weight ensures): `packed` is int32 words in the kernels' word layout (load_packed)."""
     if FAST:
-        lo, hi = _dequant_pairs_bf16(packed, scale_bytes, ROWS, COLS)
+        lo, hi = _dequant_pairs_bf16(packed, scale_bytes, ROWS, COLS, WORDS)
         return tl.reshape(tl.join(_permute_pairs(lo, ROWS, COLS), _permute_pairs(hi, ROWS, COLS)), (ROWS, COLS))
     else:
         return permute_k(dequant_tile_exact(packed, scale_bytes, ROWS, COLS, DTYPE), ROWS, COLS)
@@ -180,3 +225,17 @@ def unscale(x, FAST: tl.constexpr):
         return x * 128.0
     else:
         return x
+
+
+@triton.jit
+def load_packed(ptr, rows, row_bytes, k0, rmask, COLS: tl.constexpr, WORDS: tl.constexpr):
+    """The packed tile of a K tile starting at column k0: uint8 [len(rows), COLS // 2] of rows (row_bytes bytes
+    each), or with WORDS int32 [len(rows), COLS // 8] words (row_bytes divisible by 4: layout.prepare_weight)."""
+    if WORDS:
+        wk = k0 // 8 + tl.arange(0, COLS // 8)
+        return tl.load(ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (row_bytes // 4) + wk[None, :],
+                       mask=rmask[:, None] & (wk[None, :] < row_bytes // 4), other=0)
+    else:
+        hk = k0 // 2 + tl.arange(0, COLS // 2)
+        return tl.load(ptr + rows[:, None] * row_bytes + hk[None, :], mask=rmask[:, None] & (hk[None, :] < row_bytes),
+                       other=0)

@@ -25,7 +25,8 @@ from trace_lightning.kernels._common import (
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile_kperm, permute_k, unscale
+from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, permute_k, unscale
+from trace_lightning.kernels.layout import readable_weight
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows
 from trace_lightning.kernels.reduce import sum_partials
 from trace_lightning.sim._weights import global_strides
@@ -97,7 +98,7 @@ def _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h_ptr, P, TOPK, E, D, I,
                     DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
     tok = tl.where(valid, rows // TOPK, 0)
@@ -116,20 +117,18 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=valid[:, None] & (rk[None, :] < D), other=0.0)
         x = permute_k(x.to(DTYPE), BLOCK_M, BLOCK_K)  # K in permute_k order on both sides
-        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        pm = nmask[:, None] & (hk[None, :] < D // 2)
         sm = nmask[:, None] & (sk[None, :] < D // 16)
-        wg = dequant_tile_kperm(tl.load(w_ptr + gate_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
+        wg = dequant_tile_kperm(load_packed(w_ptr, gate_rows, D // 2, k0, nmask, BLOCK_K, WORDS),
                                 tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
-                                BLOCK_N, BLOCK_K, DTYPE, FAST)
+                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
-        wu = dequant_tile_kperm(tl.load(w_ptr + up_rows[:, None] * (D // 2) + hk[None, :], mask=pm, other=0),
+        wu = dequant_tile_kperm(load_packed(w_ptr, up_rows, D // 2, k0, nmask, BLOCK_K, WORDS),
                                 tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
-                                BLOCK_N, BLOCK_K, DTYPE, FAST)
+                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
         else:
@@ -152,7 +151,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
 def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D,
                  I,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
-                 FAST: tl.constexpr,
+                 FAST: tl.constexpr, WORDS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
@@ -167,12 +166,10 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
     k_end = tl.where(live, I, 0)
     for k0 in range(0, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        hk = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         if QUANT_A:
             a = dequant_tile_kperm(  # K in permute_k order on both sides
-                tl.load(a_ptr + safe[:, None] * (I // 2) + hk[None, :], mask=valid[:, None] & (hk[None, :] < I // 2),
-                        other=0),
+                load_packed(a_ptr, safe, I // 2, k0, valid, BLOCK_K, False),
                 tl.load(as_ptr + safe[:, None] * (I // 16) + sk[None, :],
                         mask=valid[:, None] & (sk[None, :] < I // 16), other=0),
                 BLOCK_M, BLOCK_K, DTYPE, FAST)
@@ -180,11 +177,10 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
             a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=valid[:, None] & (rk[None, :] < I),
                                   other=0.0).to(DTYPE), BLOCK_M, BLOCK_K)
         w = dequant_tile_kperm(
-            tl.load(w_ptr + w_rows[:, None] * (I // 2) + hk[None, :], mask=nmask[:, None] & (hk[None, :] < I // 2),
-                    other=0),
+            load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS),
             tl.load(s_ptr + w_rows[:, None] * (I // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < I // 16),
                     other=0),
-            BLOCK_N, BLOCK_K, DTYPE, FAST)
+            BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
         else:
@@ -244,6 +240,8 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     P = N * k
     dev = x.device
     dt, prec, fast = mma_dtype(x.dtype, dev), dot_precision(x.dtype, dev), fast_dequant(x.dtype, dev)
+    w13, words13 = readable_weight(w13, fast)
+    w2, words2 = readable_weight(w2, fast)
     block_m, block_n = moe_config(P, E, I, dev)
     sorted_ids, block_expert, blocks = align_pairs(topk_ids.to(torch.int64), E, block_m)
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
@@ -251,7 +249,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     g13, g13_strides = global_strides(w13)
     g2, g2_strides = global_strides(w2)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
-            g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, block_m)
+            g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, words13, block_m)
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
     else:
@@ -264,7 +262,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
-            q is not None, dt, prec, swap_ab(), fast, block_m)
+            q is not None, dt, prec, swap_ab(), fast, words2, block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
     else:

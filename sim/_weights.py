@@ -42,3 +42,8 @@ def dequantize_weight(w: NVFP4, rows: Tensor | None = None) -> Tensor:
         packed, scales, g = packed[rows], scales[rows], g[rows]
     values = decode_e2m1(unpack_fp4(packed)).unflatten(-1, (-1, 16))
     return (values * (scales.float() * g.unsqueeze(-1)).unsqueeze(-1)).flatten(-2)
+
+
+def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
+    """The sim reads weights in stored order: q unchanged (the kernels' twin may permute bits for its decoder)."""
+    return q

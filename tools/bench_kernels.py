@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from _bench import Report, add_bw, graph_ms, nvfp4_bytes
+from _bench import Report, add_bw, bench_ms, graph_ms, nvfp4_bytes
 from torch import Tensor
 
 from trace_lightning import kernels
@@ -26,7 +26,8 @@ BATCHES = (1, 16, 64, 256)
 def copy_ceiling(rep: Report) -> None:
     x = torch.randn(256 * 2**20, device="cuda")  # 1 GiB
     y = torch.empty_like(x)
-    ms = graph_ms(lambda: y.copy_(x))
+    # eager: inside a CUDA graph this copy becomes a memcpy node, which ran at only ~2700 GB/s (v7's runs)
+    ms = bench_ms(lambda: y.copy_(x))
     add_bw(rep, "copy", "1 GiB fp32", ms, 2 * x.nbytes)
 
 
@@ -51,7 +52,7 @@ def quantizers(rep: Report) -> None:
 def linears(rep: Report) -> None:
     for N, K, name in ((5120, 2048, "wqkv"), (2048, 4096, "wo")):
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        wq = kernels.quantize_nvfp4(w, tensor_global_scale(w, 2))
+        wq = kernels.prepare_weight(kernels.quantize_nvfp4(w, tensor_global_scale(w, 2)), w.dtype)
         for M in BATCHES:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             ms16 = graph_ms(partial(torch.matmul, x, w.T))
@@ -82,7 +83,8 @@ def moe(rep: Report) -> None:
     w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
     g13, g2 = tensor_global_scale(w13, 2).unsqueeze(-1), tensor_global_scale(w2, 2).unsqueeze(-1)
-    q13, q2 = kernels.quantize_nvfp4(w13, g13), kernels.quantize_nvfp4(w2, g2)
+    q13 = kernels.prepare_weight(kernels.quantize_nvfp4(w13, g13), w13.dtype)
+    q2 = kernels.prepare_weight(kernels.quantize_nvfp4(w2, g2), w2.dtype)
     per_expert4 = nvfp4_bytes(2 * I, D) + nvfp4_bytes(D, I)
     per_expert16 = (2 * I * D + D * I) * 2
     for N in BATCHES:

@@ -52,8 +52,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def quantize_weight(w: Tensor) -> NVFP4:
+    """NVFP4 of w with per-matrix globals, in the layout the engine holds it in (kernels.prepare_weight)."""
     g = tensor_global_scale(w, 2)
-    return kernels.quantize_nvfp4(w, g.unsqueeze(-1) if w.dim() == 3 else g)
+    return kernels.prepare_weight(kernels.quantize_nvfp4(w, g.unsqueeze(-1) if w.dim() == 3 else g), w.dtype)
 
 
 class Layer:

@@ -25,7 +25,7 @@ def main() -> None:
     torch.manual_seed(0)
     for N, K, name in ((5120, 2048, "wqkv"), (2048, 4096, "wo")):
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        wq = kernels.quantize_nvfp4(w, tensor_global_scale(w, 2))
+        wq = kernels.prepare_weight(kernels.quantize_nvfp4(w, tensor_global_scale(w, 2)), w.dtype)
         for M in (16, 64, 256):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             bm, bn, bk, split = linear_config(M, N, K, x.device)

@@ -30,8 +30,8 @@ def main() -> None:
     E, D, I, k = 128, 2048, 768, 8
     w13 = torch.randn(E, 2 * I, D, device="cuda", dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
-    q13 = kernels.quantize_nvfp4(w13, tensor_global_scale(w13, 2).unsqueeze(-1))
-    q2 = kernels.quantize_nvfp4(w2, tensor_global_scale(w2, 2).unsqueeze(-1))
+    q13 = kernels.prepare_weight(kernels.quantize_nvfp4(w13, tensor_global_scale(w13, 2).unsqueeze(-1)), w13.dtype)
+    q2 = kernels.prepare_weight(kernels.quantize_nvfp4(w2, tensor_global_scale(w2, 2).unsqueeze(-1)), w2.dtype)
     defaults = (moe_kernels.GATE_UP_LAUNCH, moe_kernels.DOWN_LAUNCH)
     for N in BATCHES:
         x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)

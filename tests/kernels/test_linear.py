@@ -52,13 +52,18 @@ def test_fp4_linear_both_operand_orders(device: str, swap: str, monkeypatch: pyt
     assert rel_err(linear(x, w, torch.float32, split_k=2), ref) < 1e-5
 
 
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("fast", ["0", "1"])
-def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, words: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Identity activations pull each dequantized weight out of the GEMM unchanged (one product per output, fp32
     accumulation), so the kernel's dequantization must equal code * scale * global bit for bit: all 256 packed
     bytes, every finite non-negative E4M3 scale byte (subnormals and zero included), bf16 operands (the packed
-    bf16x2 PTX path on CUDA; TRACE_LIGHTNING_FAST_DEQUANT=0 and the interpreter take the portable one)."""
+    bf16x2 PTX path on CUDA; TRACE_LIGHTNING_FAST_DEQUANT=0 and the interpreter take the portable one), with
+    the weight in stored order or in the kernels' word layout (its own PTX decoder on CUDA)."""
     monkeypatch.setenv("TRACE_LIGHTNING_FAST_DEQUANT", fast)
+    from trace_lightning.kernels.layout import WordNVFP4, to_word_layout
+
     from trace_lightning.quant import NVFP4, decode_e2m1, unpack_fp4
 
     N, K = 128, 256
@@ -68,6 +73,8 @@ def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, m
     scale_bytes = torch.arange(N * K // 16).remainder(127).reshape(N, K // 16).to(torch.uint8)  # 0x00..0x7E
     g = torch.rand(N, 1, generator=gen) * 3 + 0.01
     w = NVFP4(packed.to(device), scale_bytes.view(torch.float8_e4m3fn).to(device), g.to(device))
+    if words:
+        w = WordNVFP4(to_word_layout(w.packed), w.scales, w.global_scale)
     codes = decode_e2m1(unpack_fp4(packed)).unflatten(-1, (-1, 16))
     expected = ((codes * scale_bytes.view(torch.float8_e4m3fn).float().unsqueeze(-1)).flatten(-2) * g).T  # [K, N]
     eye = torch.eye(K, dtype=torch.bfloat16, device=device)

@@ -87,7 +87,7 @@ def test_backends_expose_the_same_ops() -> None:
     import inspect
 
     names = ("quantize_nvfp4", "quantize_nvfp4_rows", "fake_quantize_nvfp4_rows", "quantize_mxfp4", "pack_parity",
-             "fp4_linear", "fp4_moe", "kv_append", "fp4_kv_attention")
+             "fp4_linear", "fp4_moe", "kv_append", "fp4_kv_attention", "prepare_weight")
     for name in names:
         positional = [p for p in inspect.signature(getattr(sim, name)).parameters.values()
                       if p.kind is not inspect.Parameter.KEYWORD_ONLY]  # sim-only numerics options are keyword-only
@@ -102,3 +102,22 @@ def test_fp4_moe_both_operand_orders(device: str, swap: str, monkeypatch: pytest
     ref, q_ref = sim.fp4_moe(x, w13, w2, ids, weights)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     assert (q.codes() == q_ref.codes()).float().mean() > 0.99
+
+
+def test_fp4_moe_word_layout_weights_give_identical_results(device: str) -> None:
+    """Weights in the kernels' word layout (their own PTX decoder on CUDA, converted back under the interpreter)
+    give the same bits as the stored order: same codes times the same scales, same sums."""
+    from trace_lightning.kernels.layout import WordNVFP4, prepare_weight, to_word_layout
+
+    x, w13, w2, ids, weights = problem(24, 64, 48, 6, 2, device, seed=11)
+    x = x.to(torch.bfloat16)
+
+    def words(q):  # noqa: ANN001, ANN202
+        return WordNVFP4(to_word_layout(q.packed), q.scales, q.global_scale)
+
+    out, q = kernels.fp4_moe(x, w13, w2, ids, weights)
+    out_w, q_w = kernels.fp4_moe(x, words(w13), words(w2), ids, weights)
+    assert torch.equal(out_w, out) and torch.equal(q_w.packed, q.packed)
+    prepared = prepare_weight(w13, torch.bfloat16)
+    assert isinstance(prepared, WordNVFP4) == (device == "cuda")
+    assert torch.equal(prepared.codes(), w13.codes())

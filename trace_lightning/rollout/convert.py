@@ -96,6 +96,12 @@ def check_weight_checksums(expected: Mapping[str, str], actual: Mapping[str, str
                                   f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}")
 
 
+def canonical_fp4(q: BlockFP4) -> BlockFP4:
+    """q in stored byte order: a backend may hold NVFP4 weights with their bits permuted for its decoder
+    (the Triton GEMMs' word layout, `WordNVFP4.canonical`)."""
+    return q.canonical() if hasattr(q, "canonical") else q
+
+
 def _bind(op: Callable, compute_dtype: torch.dtype) -> Callable:
     """The op with the sim's compute_dtype option set when the backend has it (kernels do not)."""
     if "compute_dtype" in inspect.signature(op).parameters:
@@ -113,15 +119,19 @@ class FP4Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
         self._linear = _bind(ops.fp4_linear, compute_dtype)
+        self._prepare = ops.prepare_weight
         self.set_weight("weight", weight)
 
     def set_weight(self, key: str, w: Tensor) -> None:
-        """Re-quantize from a master weight [N, K]."""
+        """Re-quantize from a master weight [N, K] (held in the backend's fastest layout)."""
         self.q = quantize_weight(w.detach(), self.fmt)
         self.dense = None if isinstance(self.q, NVFP4) else self.q.dequantize(self.compute_dtype)
+        if self.dense is None:
+            self.q = self._prepare(self.q, self.compute_dtype)
 
     def quantized(self) -> dict[str, BlockFP4]:
-        return {"weight": self.q}
+        """The FP4 weight in stored order (what checksums and records compare)."""
+        return {"weight": canonical_fp4(self.q)}
 
     def forward(self, x: Tensor, hook: QuantHook | None = None) -> Tensor:
         if self.dense is not None:
@@ -144,6 +154,7 @@ class FP4Experts(nn.Module):
         super().__init__()
         self.config, self.layer, self.fmt, self.compute_dtype = config, layer, fmt, compute_dtype
         self._moe = _bind(ops.fp4_moe, compute_dtype)
+        self._prepare = ops.prepare_weight
         self.q: dict[str, BlockFP4] = {}
         self.dense: dict[str, Tensor] = {}
         self.set_weight("w13", w13)
@@ -153,9 +164,12 @@ class FP4Experts(nn.Module):
         self.q[key] = quantize_weight(w.detach(), self.fmt)
         if not isinstance(self.q[key], NVFP4):
             self.dense[key] = self.q[key].dequantize(self.compute_dtype)
+        else:
+            self.q[key] = self._prepare(self.q[key], self.compute_dtype)
 
     def quantized(self) -> dict[str, BlockFP4]:
-        return dict(self.q)
+        """The FP4 weights in stored order (what checksums and records compare)."""
+        return {key: canonical_fp4(q) for key, q in self.q.items()}
 
     def forward(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None = None) -> Tensor:
         """x (B, T, D), ids and gates (B, T, K) -> (B, T, D)."""
