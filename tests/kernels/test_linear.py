@@ -62,9 +62,8 @@ def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, w
     bf16x2 PTX path on CUDA; TRACE_LIGHTNING_FAST_DEQUANT=0 and the interpreter take the portable one), with
     the weight in stored order or in the kernels' word layout (its own PTX decoder on CUDA)."""
     monkeypatch.setenv("TRACE_LIGHTNING_FAST_DEQUANT", fast)
-    from trace_lightning.kernels.layout import WordNVFP4, to_word_layout
-
     from trace_lightning.quant import NVFP4, decode_e2m1, unpack_fp4
+    from trace_lightning.quant.words import WordNVFP4, to_word_layout
 
     N, K = 128, 256
     gen = torch.Generator().manual_seed(5)

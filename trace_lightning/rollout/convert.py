@@ -36,6 +36,7 @@ from trace_lightning.quant import (
     quantize_nvfp4,
     tensor_global_scale,
 )
+from trace_lightning.quant.words import canonical
 from trace_lightning.rollout.capture import FP4ActivationHook
 
 FP4_WEIGHT_NAME = re.compile(
@@ -96,12 +97,6 @@ def check_weight_checksums(expected: Mapping[str, str], actual: Mapping[str, str
                                   f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}")
 
 
-def canonical_fp4(q: BlockFP4) -> BlockFP4:
-    """q in stored byte order: a backend may hold NVFP4 weights with their bits permuted for its decoder
-    (the Triton GEMMs' word layout, `WordNVFP4.canonical`)."""
-    return q.canonical() if hasattr(q, "canonical") else q
-
-
 def _bind(op: Callable, compute_dtype: torch.dtype) -> Callable:
     """The op with the sim's compute_dtype option set when the backend has it (kernels do not)."""
     if "compute_dtype" in inspect.signature(op).parameters:
@@ -131,7 +126,7 @@ class FP4Linear(nn.Module):
 
     def quantized(self) -> dict[str, BlockFP4]:
         """The FP4 weight in stored order (what checksums and records compare)."""
-        return {"weight": canonical_fp4(self.q)}
+        return {"weight": canonical(self.q)}
 
     def forward(self, x: Tensor, hook: QuantHook | None = None) -> Tensor:
         if self.dense is not None:
@@ -169,7 +164,7 @@ class FP4Experts(nn.Module):
 
     def quantized(self) -> dict[str, BlockFP4]:
         """The FP4 weights in stored order (what checksums and records compare)."""
-        return {key: canonical_fp4(q) for key, q in self.q.items()}
+        return {key: canonical(q) for key, q in self.q.items()}
 
     def forward(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None = None) -> Tensor:
         """x (B, T, D), ids and gates (B, T, K) -> (B, T, D)."""

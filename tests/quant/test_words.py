@@ -1,13 +1,13 @@
-"""The kernels' word layout: an exact bit permutation whose PTX decoder (emulated here instruction by instruction)
+"""The word layout: an exact bit permutation whose PTX decoder (emulated here instruction by instruction)
 gives every code as bf16 code * 2^-126, checked against ml_dtypes' float4_e2m1fn."""
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from trace_lightning.kernels.layout import WordNVFP4, canonical, from_word_layout, to_word_layout, word_bit_map
 
 from trace_lightning.quant import NVFP4, unpack_fp4
+from trace_lightning.quant.words import WordNVFP4, canonical, from_word_layout, to_word_layout, word_bit_map
 
 
 def _rotr(x: np.ndarray, n: int) -> np.ndarray:

@@ -1,0 +1,84 @@
+"""The Triton kernels' word layout of NVFP4 codes: each 4 packed bytes (8 codes) with bits placed for the decoder.
+
+In the stored NVFP4 order a code's sign sits 3 bits above its magnitude, where a bf16 wants it 9 bits above
+(magnitude at bf16 bits 6-8, sign at 15, E2M1 code * 2^-126 exactly), so the decoder must place every code
+on its own (`kernels/_fp4._codes_times_scale`: ~6 instructions per byte). GEMM weights (static between
+syncs) and the FP4 KV cache (written once per token) are therefore held with their bits permuted once per
+32-bit word, such that three of the word's four bf16 pairs come out of one rotate and one mask and the
+fourth out of two of each (13 instructions per 4 bytes with the scale multiplies). It is a pure bit
+permutation: same bytes, same size, exact inverse.
+
+Word bit map: the word W of 4 stored bytes (byte i at bits 8i) holds codes c[2i] (low nibble of byte i)
+and c[2i + 1]; the decoder's pair i is the bf16x2 (c[2i], c[2i + 1]). `_WORD_BITS[i][h][b]` is the kernel
+word's bit that holds bit b of code c[2i + h] (b = 3: the sign). Pair 0 is ``K & M``, pair 1
+``rotr(K, 4) & M``, pair 2 ``rotr(K, 10) & M`` (M = 0x81C081C0: bf16 bits 6-8 and 15 of both halves),
+pair 3 ``(rotl(K, 2) & 0x00400040) | (rotl(K, 10) & 0x81808180)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trace_lightning.quant.nvfp4 import NVFP4
+
+_WORD_BITS = (
+    ((6, 7, 8, 15), (22, 23, 24, 31)),
+    ((10, 11, 12, 19), (26, 27, 28, 3)),
+    ((16, 17, 18, 25), (0, 1, 2, 9)),
+    ((4, 29, 30, 5), (20, 13, 14, 21)),
+)
+
+
+@functools.cache
+def word_bit_map() -> tuple[tuple[int, int], ...]:
+    """(stored bit, kernel bit) for all 32 bits of a word; a permutation (checked once)."""
+    pairs = tuple((8 * i + 4 * h + b, _WORD_BITS[i][h][b]) for i in range(4) for h in range(2) for b in range(4))
+    if sorted(k for _, k in pairs) != list(range(32)):
+        raise AssertionError("the kernel word layout is not a bit permutation")
+    return pairs
+
+
+def _permute_word_bits(packed: Tensor, forward: bool) -> Tensor:
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
+        raise ValueError(f"packed FP4 codes must be uint8 with a last dim divisible by 4 (4 bytes per word), "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    words = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(words)
+    for src, dst in word_bit_map():
+        frm, to = (src, dst) if forward else (dst, src)
+        out |= ((words >> frm) & 1) << to
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.uint8).view(packed.shape)
+
+
+def to_word_layout(packed: Tensor) -> Tensor:
+    """Stored NVFP4 bytes [..., K/2] -> the kernels' word layout (same shape and dtype)."""
+    return _permute_word_bits(packed, True)
+
+
+def from_word_layout(packed: Tensor) -> Tensor:
+    """The inverse of to_word_layout."""
+    return _permute_word_bits(packed, False)
+
+
+@dataclass
+class WordNVFP4(NVFP4):
+    """An NVFP4 weight whose `packed` bytes are in the GEMM kernels' word layout (see module docstring).
+
+    Only the Triton GEMMs read it; everything that inspects codes (checksums, records, the sim) gets
+    `canonical()`, which is exact."""
+
+    def canonical(self) -> NVFP4:
+        return NVFP4(from_word_layout(self.packed), self.scales, self.global_scale)
+
+    def codes(self) -> Tensor:
+        """Unpacked codes in stored order (so dequantize and with_codes see the real codes too)."""
+        return self.canonical().codes()
+
+
+def canonical(q: NVFP4) -> NVFP4:
+    """The stored-order NVFP4 of q (q itself unless it is in the kernels' word layout)."""
+    return q.canonical() if isinstance(q, WordNVFP4) else q
