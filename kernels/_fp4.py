@@ -166,11 +166,11 @@ def _dequant_pairs_bf16(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.conste
 
 
 @triton.jit
-def dequant_tile_bf16(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):
+def dequant_tile_bf16(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, WORDS: tl.constexpr = False):
     """NVFP4 tile -> bf16 code * block scale * 2^-7 (exact) with packed bf16x2 arithmetic (CUDA only).
 
     ~7 instructions per weight instead of ~15: the hot loop of every W4A16 GEMM here is dequantization."""
-    lo, hi = _dequant_pairs_bf16(packed, scale_bytes, ROWS, COLS)
+    lo, hi = _dequant_pairs_bf16(packed, scale_bytes, ROWS, COLS, WORDS)
     return tl.reshape(tl.join(lo, hi), (ROWS, COLS))
 
 
@@ -209,11 +209,11 @@ def dequant_tile_kperm(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constex
 
 @triton.jit
 def dequant_tile(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr,
-                 FAST: tl.constexpr):
+                 FAST: tl.constexpr, WORDS: tl.constexpr = False):
     """code * block scale in DTYPE, times 2^-7 when FAST (bf16 on CUDA): callers pass their float32 result
-    through `unscale`."""
+    through `unscale`. WORDS (FAST only): `packed` is int32 words in the word layout (load_packed)."""
     if FAST:
-        return dequant_tile_bf16(packed, scale_bytes, ROWS, COLS)
+        return dequant_tile_bf16(packed, scale_bytes, ROWS, COLS, WORDS)
     else:
         return dequant_tile_exact(packed, scale_bytes, ROWS, COLS, DTYPE)
 
@@ -239,3 +239,29 @@ def load_packed(ptr, rows, row_bytes, k0, rmask, COLS: tl.constexpr, WORDS: tl.c
         hk = k0 // 2 + tl.arange(0, COLS // 2)
         return tl.load(ptr + rows[:, None] * row_bytes + hk[None, :], mask=rmask[:, None] & (hk[None, :] < row_bytes),
                        other=0)
+
+
+@triton.jit
+def _rotl(x, n: tl.constexpr):
+    return (x << n) | (x >> (32 - n))
+
+
+@triton.jit
+def _byte_pair_bits(b):
+    """The bf16x2 bits of one stored byte's two codes, code * 2^-126 each (magnitudes at 6-8 / 22-24, signs at
+    15 / 31): what the word decoder's pair i must give for byte i."""
+    return ((b & 7) << 6) | ((b & 8) << 12) | ((b & 0x70) << 18) | ((b & 0x80) << 24)
+
+
+@triton.jit
+def to_word_layout(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """uint8 [ROWS, COLS // 2] stored bytes -> uint32 words [ROWS, COLS // 8] in the kernels' word layout: each
+    byte's bf16x2 bits rotated to where `_word_codes_times_scale` takes them from (its inverse, so the KV
+    append writes what the attention decodes; trace_lightning/quant/words.py is the table form)."""
+    b = tl.reshape(packed.to(tl.uint32), (ROWS, COLS // 8, 2, 2))  # [.., a, c] = byte 2a + c of each word
+    even, odd = tl.split(b)
+    b0, b2 = tl.split(even)
+    b1, b3 = tl.split(odd)
+    r3 = _byte_pair_bits(b3)
+    return (_byte_pair_bits(b0) | _rotl(_byte_pair_bits(b1), 4) | _rotl(_byte_pair_bits(b2), 10)
+            | _rotl(r3 & 0x00400040, 30) | _rotl(r3 & 0x81808180, 22))

@@ -27,7 +27,7 @@ from trace_lightning.kernels._common import (
     sm_count,
     tuned,
 )
-from trace_lightning.kernels._fp4 import abs_bits_max, dequant_tile, unscale
+from trace_lightning.kernels._fp4 import abs_bits_max, dequant_tile, load_packed, to_word_layout, unscale
 from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_bits
 
 from trace_lightning.quant import NVFP4
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 @triton.jit
 def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, rows, dest, R,
-                DH: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr):
     cols = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + rows[:, None] * DH + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < DH),
                 other=0.0).to(tl.float32)
@@ -54,14 +55,19 @@ def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, r
     tl.store(scales_ptr + rows[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm)
     tl.store(g_ptr + rows, g, mask=ok)
     write = dest >= 0
-    tl.store(c_packed + dest[:, None] * (DH // 2) + half[None, :], packed, mask=pm & write[:, None])
+    if WORDS:  # the cache copy in the kernels' word layout (the record keeps the stored order)
+        wv = tl.arange(0, BLOCK_D // 8)
+        tl.store(c_packed.to(tl.pointer_type(tl.uint32)) + dest[:, None] * (DH // 8) + wv[None, :],
+                 to_word_layout(packed, BLOCK_R, BLOCK_D), mask=ok[:, None] & (wv[None, :] < DH // 8) & write[:, None])
+    else:
+        tl.store(c_packed + dest[:, None] * (DH // 2) + half[None, :], packed, mask=pm & write[:, None])
     tl.store(c_scales + dest[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm & write[:, None])
     tl.store(c_g + dest, g, mask=ok & write)
 
 
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg, cvp, cvs, cvg,
-                   R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr,
+                   R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = (b * T + t) * H + h
     h = rows % H
@@ -69,8 +75,8 @@ def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg,
     b = bt // T
     pos = tl.load(pos_ptr + bt, mask=rows < R, other=-1)
     dest = tl.where(pos >= 0, (b * H + h).to(tl.int64) * S + pos, -1)  # cache row (b, h, pos)
-    _append_one(k_ptr, kp, ks, kg, ckp, cks, ckg, rows, dest, R, DH, RECIP, BLOCK_R, BLOCK_D)
-    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, RECIP, BLOCK_R, BLOCK_D)
+    _append_one(k_ptr, kp, ks, kg, ckp, cks, ckg, rows, dest, R, DH, RECIP, WORDS, BLOCK_R, BLOCK_D)
+    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, RECIP, WORDS, BLOCK_R, BLOCK_D)
 
 
 def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tuple[NVFP4, NVFP4]:
@@ -93,7 +99,7 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
         k.contiguous(), v.contiguous(), positions.to(torch.int64).contiguous(), *outs[0], *outs[1],
         layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
         layer.v_packed, scale_bytes(layer.v_scales), layer.v_global,
-        R, T, Hkv, S, Dh, dev.type == "cuda", block_r, block_d, num_warps=4)
+        R, T, Hkv, S, Dh, dev.type == "cuda", layer.words, block_r, block_d, num_warps=4)
     return tuple(NVFP4(p, s.view(torch.float8_e4m3fn), g) for p, s, g in outs)  # type: ignore[return-value]
 
 
@@ -101,7 +107,7 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
 def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_ptr, sm_scale,
                        T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                       FAST: tl.constexpr):
+                       FAST: tl.constexpr, WORDS: tl.constexpr):
     bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
     t = bht % T
     bh = bht // T
@@ -119,15 +125,14 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, DH), tl.float32)
     base = bh * S
-    hd = tl.arange(0, DH // 2)
     sd = tl.arange(0, DH // 16)
     for s0 in range(lo, hi, BLOCK_S):
         js = s0 + tl.arange(0, BLOCK_S)
         valid = js < hi
         rows = base + js
-        kt = dequant_tile(tl.load(kp + rows[:, None] * (DH // 2) + hd[None, :], mask=valid[:, None], other=0),
+        kt = dequant_tile(load_packed(kp, rows, DH // 2, 0, valid, DH, WORDS),
                           tl.load(ks + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
-                          BLOCK_S, DH, DTYPE, FAST)
+                          BLOCK_S, DH, DTYPE, FAST, WORDS)
         gk = unscale(tl.load(kg + rows, mask=valid, other=0.0), FAST)
         scores = tl.dot(q, tl.trans(kt), input_precision=PREC) * (gk * sm_scale)[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -135,9 +140,9 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = dequant_tile(tl.load(vp + rows[:, None] * (DH // 2) + hd[None, :], mask=valid[:, None], other=0),
+        vt = dequant_tile(load_packed(vp, rows, DH // 2, 0, valid, DH, WORDS),
                           tl.load(vs + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
-                          BLOCK_S, DH, DTYPE, FAST)
+                          BLOCK_S, DH, DTYPE, FAST, WORDS)
         gv = unscale(tl.load(vg + rows, mask=valid, other=0.0), FAST)
         acc = acc * alpha[:, None] + tl.dot((p * gv[None, :]).to(DTYPE), vt, input_precision=PREC)
         m_i = m_new
@@ -212,6 +217,9 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
         raise ValueError(f"q {tuple(q.shape)} / q_positions {tuple(q_positions.shape)} do not fit the cache "
                          f"{layer.shape} (head_dim must be a power of two)")
     G = Hq // Hkv
+    fast = fast_dequant(q.dtype, q.device)
+    if layer.words and not fast:  # only the fast decoder reads words: an exact stored-order copy for the rest
+        layer = layer.stored_order()
     block_s = ATTN_BLOCK_S
     tune = autotune_on(q.device)
     unit = 128 if tune else block_s  # whole (autotuned) key blocks per split
@@ -227,11 +235,10 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
             layer.v_packed, scale_bytes(layer.v_scales), layer.v_global, o, m, l_sum, float(sm_scale),
             T, Hkv, S, split_len, splits, G, Dh, max(16, triton.next_power_of_2(G)))
     dt, prec = mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device)
-    fast = fast_dequant(q.dtype, q.device)
     if tune:
-        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast)
+        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words)
     else:
-        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast,
+        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words,
                                            num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),

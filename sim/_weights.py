@@ -47,3 +47,8 @@ def dequantize_weight(w: NVFP4, rows: Tensor | None = None) -> Tensor:
 def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
     """The sim reads weights in stored order: q unchanged (the kernels' twin may permute bits for its decoder)."""
     return q
+
+
+def prefers_word_layout(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """The sim decodes codes from the stored order: no FP4 tensor is worth permuting for it."""
+    return False

@@ -8,6 +8,7 @@ from trace_lightning.sim.quantize import quantize_nvfp4_rows
 
 from trace_lightning.ops import FP4KVLayer
 from trace_lightning.quant import NVFP4
+from trace_lightning.quant.words import to_word_layout
 
 
 def check_kv_args(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> None:
@@ -18,10 +19,10 @@ def check_kv_args(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) ->
         raise ValueError(f"positions must be [B, T] = {tuple(k.shape[:2])}, got {tuple(positions.shape)}")
 
 
-def _write(packed: Tensor, scales: Tensor, glob: Tensor, q: NVFP4, positions: Tensor) -> None:
+def _write(packed: Tensor, scales: Tensor, glob: Tensor, q: NVFP4, positions: Tensor, words: bool) -> None:
     b, t = (positions >= 0).nonzero(as_tuple=True)
     pos = positions[b, t]
-    packed[b, :, pos] = q.packed[b, t]
+    packed[b, :, pos] = to_word_layout(q.packed[b, t]) if words else q.packed[b, t]
     scales[b, :, pos] = q.scales[b, t]
     glob[b, :, pos] = q.global_scale[b, t]
 
@@ -33,8 +34,8 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
     """
     check_kv_args(layer, k, v, positions)
     qk, qv = quantize_nvfp4_rows(k), quantize_nvfp4_rows(v)
-    _write(layer.k_packed, layer.k_scales, layer.k_global, qk, positions)
-    _write(layer.v_packed, layer.v_scales, layer.v_global, qv, positions)
+    _write(layer.k_packed, layer.k_scales, layer.k_global, qk, positions, layer.words)
+    _write(layer.v_packed, layer.v_scales, layer.v_global, qv, positions, layer.words)
     return qk, qv
 
 

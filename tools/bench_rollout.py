@@ -12,7 +12,6 @@ the lm_head is measured on its own and added once. Roofline = (weight bytes touc
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -145,7 +144,8 @@ def fill_caches(s: Shape, L: int, B: int, ctx: int) -> tuple[list[tuple[Tensor, 
     for _ in range(L):
         k = torch.randn(B, s.kv_heads, ctx + 1, s.head_dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        layer = FP4KVLayer.allocate(B, s.kv_heads, ctx + 1, s.head_dim, "cuda")
+        layer = FP4KVLayer.allocate(B, s.kv_heads, ctx + 1, s.head_dim, "cuda",
+                                    words=kernels.prefers_word_layout(torch.bfloat16, "cuda"))
         kernels.kv_append(layer, k.transpose(1, 2), v.transpose(1, 2),
                           torch.arange(ctx + 1, device="cuda").expand(B, ctx + 1))
         bf16.append((k, v))
@@ -225,9 +225,10 @@ def step_at(s: Shape, layers: list[Layer], fp4: bool, caches: list, B: int, ctx:
 
 def random_fp4_cache(B: int, kv_heads: int, S: int, head_dim: int, chunk: int = 16) -> FP4KVLayer:
     """A full FP4 cache of random K/V, quantized `chunk` sequences at a time (bounds the bf16 staging memory)."""
-    layer = FP4KVLayer.allocate(B, kv_heads, S, head_dim, "cuda")
+    layer = FP4KVLayer.allocate(B, kv_heads, S, head_dim, "cuda",
+                                words=kernels.prefers_word_layout(torch.bfloat16, "cuda"))
     for b0 in range(0, B, chunk):
-        sub = FP4KVLayer(*(getattr(layer, f.name)[b0:b0 + chunk] for f in dataclasses.fields(layer)))
+        sub = layer.batch_rows(b0, b0 + chunk)
         n = sub.shape[0]
         kv = torch.randn(2, n, S, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
         kernels.kv_append(sub, kv[0], kv[1], torch.arange(S, device="cuda").expand(n, S))

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from trace_lightning.quant import NVFP4
+from trace_lightning.quant.words import from_word_layout
 
 BACKENDS = ("auto", "triton", "sim")
 TRITON_MODULE, SIM_MODULE = "trace_lightning.kernels", "trace_lightning.sim"
@@ -53,7 +54,9 @@ class FP4KVLayer:
     """One layer's FP4 KV cache, contiguous per (batch, kv head): NVFP4 rows with per-token-head globals.
 
     k_packed uint8 [B, Hkv, S, Dh/2], k_scales float8_e4m3fn [B, Hkv, S, Dh/16], k_global float32 [B, Hkv, S, 1],
-    and the same for v. Contiguous so that the decode kernel reads each head's keys as one stream.
+    and the same for v. Contiguous so that the decode kernel reads each head's keys as one stream. With `words`
+    the packed codes are in the kernels' word layout (trace_lightning/quant/words.py), which their fast decoder
+    reads with about half the instructions; both backends write and read either layout.
     """
 
     k_packed: Tensor
@@ -62,11 +65,12 @@ class FP4KVLayer:
     v_packed: Tensor
     v_scales: Tensor
     v_global: Tensor
+    words: bool = False
 
     @classmethod
     def allocate(cls, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 device: torch.device | str = "cpu") -> FP4KVLayer:
-        """Zeroed cache (zero bytes dequantize to 0.0)."""
+                 device: torch.device | str = "cpu", words: bool = False) -> FP4KVLayer:
+        """Zeroed cache (zero bytes dequantize to 0.0, in either layout)."""
         if head_dim % 16:
             raise ValueError(f"head_dim must be divisible by 16, got {head_dim}")
         shape = (batch, kv_heads, max_len)
@@ -76,7 +80,34 @@ class FP4KVLayer:
 
         return cls(zeros(head_dim // 2, torch.uint8), zeros(head_dim // 16, torch.uint8).view(torch.float8_e4m3fn),
                    zeros(1, torch.float32), zeros(head_dim // 2, torch.uint8),
-                   zeros(head_dim // 16, torch.uint8).view(torch.float8_e4m3fn), zeros(1, torch.float32))
+                   zeros(head_dim // 16, torch.uint8).view(torch.float8_e4m3fn), zeros(1, torch.float32), words)
+
+    def batch_rows(self, start: int, stop: int) -> FP4KVLayer:
+        """A view of sequences start..stop (writes land in this cache)."""
+        return FP4KVLayer(*(t[start:stop] for t in self.tensors()), words=self.words)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return self.k_packed, self.k_scales, self.k_global, self.v_packed, self.v_scales, self.v_global
+
+    def stored_order(self) -> FP4KVLayer:
+        """This cache with its packed codes in stored NVFP4 order (itself when it is; else an exact copy)."""
+        if not self.words:
+            return self
+        return FP4KVLayer(from_word_layout(self.k_packed), self.k_scales, self.k_global,
+                          from_word_layout(self.v_packed), self.v_scales, self.v_global)
+
+    def keys(self, length: int | None = None) -> NVFP4:
+        """NVFP4 keys [B, Hkv, length, Dh] in stored order."""
+        return self._rows(self.k_packed, self.k_scales, self.k_global, length)
+
+    def values(self, length: int | None = None) -> NVFP4:
+        """NVFP4 values [B, Hkv, length, Dh] in stored order."""
+        return self._rows(self.v_packed, self.v_scales, self.v_global, length)
+
+    def _rows(self, packed: Tensor, scales: Tensor, glob: Tensor, length: int | None) -> NVFP4:
+        n = packed.shape[2] if length is None else length
+        packed = packed[:, :, :n]
+        return NVFP4(from_word_layout(packed) if self.words else packed, scales[:, :, :n], glob[:, :, :n])
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -85,16 +116,15 @@ class FP4KVLayer:
         return B, H, S, 2 * half
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_packed, self.k_scales, self.k_global,
-                                                           self.v_packed, self.v_scales, self.v_global))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def dequantize_k(self) -> Tensor:
         """float32 keys [B, Hkv, S, Dh]."""
-        return NVFP4(self.k_packed, self.k_scales, self.k_global).dequantize()
+        return self.keys().dequantize()
 
     def dequantize_v(self) -> Tensor:
         """float32 values [B, Hkv, S, Dh]."""
-        return NVFP4(self.v_packed, self.v_scales, self.v_global).dequantize()
+        return self.values().dequantize()
 
 
 __all__ = ["BACKENDS", "FP4KVLayer", "backend_for", "interpreter_enabled"]

@@ -72,3 +72,32 @@ def test_attention_splits_fill_whole_waves(monkeypatch: pytest.MonkeyPatch, batc
         return -(-(work * -(-blocks // per)) // 528) * (per + 1)
 
     assert cost(splits) == min(cost(s) for s in range(1, blocks + 1))
+
+
+def test_word_layout_cache_append_and_attention(device: str) -> None:
+    """A cache in the kernels' word layout: the Triton append (its in-kernel encoder) writes exactly the table
+    form's words of what a stored-order append writes, the sim's append writes the same, the record stays in
+    stored order, and attention over it equals attention over the stored-order cache bit for bit (on CUDA
+    through the word decoder, under the interpreter through an exact stored-order copy)."""
+    from trace_lightning.quant.words import to_word_layout
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, Hkv, G, S, Dh = 2, 6, 2, 4, 70, 128
+    positions = torch.arange(T).expand(B, T).contiguous().to(device)
+    k, v = (torch.randn(2, B, T, Hkv, Dh, generator=gen) * 3).to(torch.bfloat16).to(device)
+    plain, words = FP4KVLayer.allocate(B, Hkv, S, Dh, device), FP4KVLayer.allocate(B, Hkv, S, Dh, device, words=True)
+    twin = FP4KVLayer.allocate(B, Hkv, S, Dh, device, words=True)
+    rec_plain = kernels.kv_append(plain, k, v, positions)
+    rec_words = kernels.kv_append(words, k, v, positions)
+    sim.kv_append(twin, k, v, positions)
+    for a, b in zip(rec_plain, rec_words, strict=True):
+        assert torch.equal(a.packed, b.packed)
+    assert torch.equal(words.k_packed, to_word_layout(plain.k_packed))
+    assert torch.equal(words.v_packed, to_word_layout(plain.v_packed))
+    assert torch.equal(twin.k_packed, words.k_packed) and torch.equal(twin.v_packed, words.v_packed)
+    assert torch.equal(words.dequantize_k(), plain.dequantize_k())
+    q = torch.randn(B, Hkv * G, 1, Dh, generator=gen).to(torch.bfloat16).to(device)
+    q_pos = torch.full((B, 1), T - 1, device=device)
+    out_words = kernels.fp4_kv_attention(q, words, q_pos, Dh**-0.5)
+    assert torch.equal(out_words, kernels.fp4_kv_attention(q, plain, q_pos, Dh**-0.5))
+    assert torch.equal(sim.fp4_kv_attention(q, words, q_pos, Dh**-0.5), sim.fp4_kv_attention(q, plain, q_pos, Dh**-0.5))

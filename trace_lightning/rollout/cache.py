@@ -24,7 +24,7 @@ from torch import Tensor
 
 from trace_lightning.model.config import MoEConfig
 from trace_lightning.ops import FP4KVLayer
-from trace_lightning.quant import NVFP4, BlockFP4, FP4Format
+from trace_lightning.quant import BlockFP4, FP4Format
 from trace_lightning.rollout.capture import Recorder, RowBuffer, batch_rows, quantize_rows
 
 
@@ -74,7 +74,8 @@ class FP4KVCache(KVCache):
         self.fused_attention = fused_attention and fmt.kind == "nvfp4"
         if fmt.kind == "nvfp4":
             self.layers: dict[int, FP4KVLayer] = {
-                i: FP4KVLayer.allocate(batch, config.n_kv_heads, max_len, config.head_dim, device=device)
+                i: FP4KVLayer.allocate(batch, config.n_kv_heads, max_len, config.head_dim, device=device,
+                                       words=self.fused_attention and ops.prefers_word_layout(dtype, device))
                 for i in fp4_layers}
         else:
             self.mx: dict[int, tuple[RowBuffer, RowBuffer]] = {
@@ -87,9 +88,8 @@ class FP4KVCache(KVCache):
         if self.fmt.kind == "nvfp4":
             store = self.layers[layer]
             qk, qv = self.ops.kv_append(store, k, v, positions)
-            k_all = NVFP4(store.k_packed[:, :, :n], store.k_scales[:, :, :n], store.k_global[:, :, :n])
-            v_all = NVFP4(store.v_packed[:, :, :n], store.v_scales[:, :, :n], store.v_global[:, :, :n])
-            k_all, v_all = k_all.dequantize(self.dtype).transpose(1, 2), v_all.dequantize(self.dtype).transpose(1, 2)
+            k_all = store.keys(n).dequantize(self.dtype).transpose(1, 2)
+            v_all = store.values(n).dequantize(self.dtype).transpose(1, 2)
         else:
             kbuf, vbuf = self.mx[layer]
             qk = quantize_rows(lambda x: self.ops.quantize_mxfp4(x, self.fmt.mx_mode), k)
