@@ -115,7 +115,7 @@ def _codes_times_scale(byte, scale_pair):
 @triton.jit
 def _word_codes_times_scale(word, scale_pair):
     """The four int32 bf16x2 (c[2i], c[2i + 1]) * scale pair, i = 0..3, of int32 words in the kernels' word
-    layout (kernels/layout.py): 9 bit instructions and 4 bf16x2 multiplies per 4 bytes, against ~24 for
+    layout (trace_lightning/quant/words.py): 9 bit instructions and 4 bf16x2 multiplies per 4 bytes, against ~24 for
     `_codes_times_scale` on stored bytes (which also has to isolate each byte first)."""
     return tl.inline_asm_elementwise(
         """{
