@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from trace_lightning.kernels._common import fast_dequant
 
@@ -9,9 +11,14 @@ from trace_lightning.quant import NVFP4
 from trace_lightning.quant.words import WordNVFP4, to_word_layout
 
 
-def prefers_word_layout(dtype: torch.dtype, device: torch.device | str) -> bool:
+def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: bool = False) -> bool:
     """Whether the kernels decode the word layout on their fast path for this compute dtype and device (the
-    packed bf16x2 PTX decoder: CUDA, bf16); elsewhere they read the stored order."""
+    packed bf16x2 PTX decoder: CUDA, bf16); elsewhere they read the stored order.
+
+    For the KV cache (`cache`) it is opt-in (TRACE_LIGHTNING_KV_WORDS=1) until its CUDA path has been measured
+    and run through the CUDA parity tests (it has run under the CPU interpreter and compiles for sm_90)."""
+    if cache and os.environ.get("TRACE_LIGHTNING_KV_WORDS", "0") != "1":
+        return False
     return fast_dequant(dtype, torch.device(device))
 
 

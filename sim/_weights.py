@@ -49,6 +49,6 @@ def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
     return q
 
 
-def prefers_word_layout(dtype: torch.dtype, device: torch.device | str) -> bool:
+def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: bool = False) -> bool:
     """The sim decodes codes from the stored order: no FP4 tensor is worth permuting for it."""
     return False

@@ -106,7 +106,8 @@ def attention(rep: Report, ctx: int = 2048) -> None:
         k16 = torch.randn(B, Hkv, S, Dh, device="cuda", dtype=torch.bfloat16)
         v16 = torch.randn_like(k16)
         q = torch.randn(B, Hq, 1, Dh, device="cuda", dtype=torch.bfloat16)
-        layer = FP4KVLayer.allocate(B, Hkv, S, Dh, "cuda", words=kernels.prefers_word_layout(torch.bfloat16, "cuda"))
+        words = kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
+        layer = FP4KVLayer.allocate(B, Hkv, S, Dh, "cuda", words=words)
         kernels.kv_append(layer, k16.transpose(1, 2), v16.transpose(1, 2),
                           torch.arange(S, device="cuda").expand(B, S))
         pos = torch.full((B, 1), ctx, device="cuda", dtype=torch.int64)

@@ -101,3 +101,16 @@ def test_word_layout_cache_append_and_attention(device: str) -> None:
     out_words = kernels.fp4_kv_attention(q, words, q_pos, Dh**-0.5)
     assert torch.equal(out_words, kernels.fp4_kv_attention(q, plain, q_pos, Dh**-0.5))
     assert torch.equal(sim.fp4_kv_attention(q, words, q_pos, Dh**-0.5), sim.fp4_kv_attention(q, plain, q_pos, Dh**-0.5))
+
+
+def test_kv_word_layout_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights take the word layout wherever the fast decoder runs; the KV cache only with
+    TRACE_LIGHTNING_KV_WORDS=1."""
+    monkeypatch.delenv("TRACE_LIGHTNING_KV_WORDS", raising=False)
+    assert kernels.prefers_word_layout(torch.bfloat16, "cuda")
+    assert not kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
+    assert not kernels.prefers_word_layout(torch.float32, "cuda")
+    assert not kernels.prefers_word_layout(torch.bfloat16, "cpu")
+    monkeypatch.setenv("TRACE_LIGHTNING_KV_WORDS", "1")
+    assert kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
+    assert not sim.prefers_word_layout(torch.bfloat16, "cuda", cache=True)

@@ -73,9 +73,9 @@ class FP4KVCache(KVCache):
         self.ops, self.fmt, self.recorder = ops, fmt, recorder
         self.fused_attention = fused_attention and fmt.kind == "nvfp4"
         if fmt.kind == "nvfp4":
+            words = self.fused_attention and ops.prefers_word_layout(dtype, device, cache=True)
             self.layers: dict[int, FP4KVLayer] = {
-                i: FP4KVLayer.allocate(batch, config.n_kv_heads, max_len, config.head_dim, device=device,
-                                       words=self.fused_attention and ops.prefers_word_layout(dtype, device))
+                i: FP4KVLayer.allocate(batch, config.n_kv_heads, max_len, config.head_dim, device=device, words=words)
                 for i in fp4_layers}
         else:
             self.mx: dict[int, tuple[RowBuffer, RowBuffer]] = {
