@@ -9,16 +9,20 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRACE_LIGHTNING_AUTOTUNE=0
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest.log" | tail -2
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest.log" | tail -2
 cd tools
 timeout 150 python3 sweep_attention.py 2>&1 | tee "$OUT/sweep_attention.log" | grep -v "^#"
 LONG=$(grep "BEST B=250" "$OUT/sweep_attention.log" | sed 's/.*TRACE_LIGHTNING_ATTN_SHAPE=//')
 timeout 100 python3 bench_rollout.py --layers 8 --batches 1 16 64 256 2>&1 | tee "$OUT/bench_rollout.log" | grep "^| fp4\|^| bf16" | cut -d'|' -f2,3,6,7,8,12,13
 TRACE_LIGHTNING_ATTN_SHAPE=${LONG:-32,4,2,8} timeout 120 python3 bench_rollout.py --layers 8 --long 16384 2>&1 \
   | tee "$OUT/bench_long.log" | grep "^| fp4\|^| bf16\|FP4 / BF16"
+# the FP4 KV cache in the word layout (opt-in until measured): the same long rollouts
+TRACE_LIGHTNING_KV_WORDS=1 TRACE_LIGHTNING_ATTN_SHAPE=${LONG:-32,4,2,8} timeout 120 python3 bench_rollout.py --layers 8 \
+  --long 16384 2>&1 | tee "$OUT/bench_long_kv_words.log" | grep "^| fp4\|FP4 / BF16"
 timeout 150 python3 bench_kernels.py --only copy quant linear moe attn 2>&1 | tee "$OUT/bench_kernels.log" | grep "fp4\|bf16" | cut -d'|' -f2-4,7-8
 timeout 100 python3 gpu_engine_check.py 2>&1 | tee "$OUT/engine_check.log" | grep cuda_graph
 timeout 170 python3 bench_hf_peer.py --layers 4 --batches 1 64 --new-tokens 32 --prompt-len 256 2>&1 \
   | tee "$OUT/bench_hf.log" | grep "^|"
 timeout 60 python3 profile_step.py --layers 4 --batch 64 2>&1 | tee "$OUT/profile.log" | grep -A9 "fp4 batch"
 timeout 100 python3 profile_engine.py --layers 4 --batch 64 2>&1 | tee "$OUT/profile_engine.log" | grep -A6 "^## engine"
+echo "## CUDA tests: $(tail -1 "$OUT/pytest.log")"  # last, so it is in the reply's tail
