@@ -46,12 +46,12 @@ def _permute_word_bits(packed: Tensor, forward: bool) -> Tensor:
     if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
         raise ValueError(f"packed FP4 codes must be uint8 with a last dim divisible by 4 (4 bytes per word), "
                          f"got {packed.dtype} {tuple(packed.shape)}")
-    words = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = packed.contiguous().view(torch.int32)  # int32 bits: `& 1` after any shift isolates one bit
     out = torch.zeros_like(words)
     for src, dst in word_bit_map():
         frm, to = (src, dst) if forward else (dst, src)
         out |= ((words >> frm) & 1) << to
-    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.uint8).view(packed.shape)
+    return out.view(torch.uint8).view(packed.shape)
 
 
 def to_word_layout(packed: Tensor) -> Tensor:
