@@ -176,6 +176,9 @@ def run_batch(rep: Report, s: Shape, layers: list[Layer], B: int, ctx: int, head
     ms4, mode4 = timed(partial(step, partial(fp4_layer, s), layers, caches4, x, out4, pos, cos, sin))
     head_ms = graph_ms(partial(torch.matmul, rms(x, layers[0].n1), head.T))
     diff = float((out4.float() - out16.float()).norm() / out16.float().norm())
+    if not (torch.isfinite(out4).all() and torch.isfinite(out16).all()):  # NaN logits route every token alike
+        print(f"# WARNING batch {B}: non-finite step output, so top-k routing collapsed onto the same experts "
+              "and these times are not valid", file=sys.stderr)
     touched = touched_experts(s, layers, x)
     for name, ms, mode, fp4 in (("bf16", ms16, mode16, False), ("fp4", ms4, mode4, True)):
         full = ms / L * s.layers + head_ms
