@@ -42,15 +42,27 @@ def word_bit_map() -> tuple[tuple[int, int], ...]:
     return pairs
 
 
+@functools.cache
+def _byte_tables(forward: bool, device: torch.device) -> Tensor:
+    """int32 [4, 256]: entry [j, v] is the permuted word of a word whose only nonzero byte is byte j = v. A bit
+    permutation is linear over OR, so a word's image is the OR of its four bytes' entries."""
+    ones = [(src, dst) if forward else (dst, src) for src, dst in word_bit_map()]
+    values = torch.arange(256, dtype=torch.int64)
+    table = torch.zeros(4, 256, dtype=torch.int64)
+    for frm, to in ones:
+        table[frm // 8] |= ((values >> (frm % 8)) & 1) << to
+    return torch.where(table >= 2**31, table - 2**32, table).to(torch.int32).to(device)
+
+
 def _permute_word_bits(packed: Tensor, forward: bool) -> Tensor:
     if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
         raise ValueError(f"packed FP4 codes must be uint8 with a last dim divisible by 4 (4 bytes per word), "
                          f"got {packed.dtype} {tuple(packed.shape)}")
-    words = packed.contiguous().view(torch.int32)  # int32 bits: `& 1` after any shift isolates one bit
-    out = torch.zeros_like(words)
-    for src, dst in word_bit_map():
-        frm, to = (src, dst) if forward else (dst, src)
-        out |= ((words >> frm) & 1) << to
+    table = _byte_tables(forward, packed.device)
+    words = packed.contiguous().view(-1, 4)
+    out = table[0][words[:, 0].long()]
+    for j in range(1, 4):  # four table look-ups per word (a weight sync permutes every FP4 weight)
+        out |= table[j][words[:, j].long()]
     return out.view(torch.uint8).view(packed.shape)
 
 
