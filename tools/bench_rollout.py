@@ -81,7 +81,18 @@ def attn_proj(s: Shape, layer: Layer, qkv: Tensor, cos: Tensor, sin: Tensor) -> 
     return q, k, v.view(B, s.kv_heads, s.head_dim)
 
 
+FIXED_ROUTING = False  # --fixed-routing: every layer routes batch row b to the same random experts, whatever h is
+_FIXED: dict[int, tuple[Tensor, Tensor]] = {}  # batch -> (gates, ids), made on the warm-up call (outside capture)
+
+
 def route(s: Shape, layer: Layer, h: Tensor) -> tuple[Tensor, Tensor]:
+    if FIXED_ROUTING:
+        B = h.shape[0]
+        if B not in _FIXED:
+            gen = torch.Generator(device="cuda").manual_seed(B)
+            ids = torch.rand(B, s.experts, device="cuda", generator=gen).topk(s.top_k, dim=-1).indices
+            _FIXED[B] = (torch.full(ids.shape, 1.0 / s.top_k, device="cuda", dtype=h.dtype), ids)
+        return _FIXED[B]
     gates, ids = F.linear(h, layer.router).float().softmax(-1).topk(s.top_k, dim=-1)
     return (gates / gates.sum(-1, keepdim=True)).to(h.dtype), ids
 
@@ -271,12 +282,17 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--long", type=int, default=0, help="generated tokens of the long-rollout benchmark (0: off)")
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens of the long-rollout benchmark")
+    parser.add_argument("--fixed-routing", action="store_true",
+                        help="route from a fixed random table, not the router: times that do not depend on values "
+                             "(for experiments that break the numerics)")
     parser.add_argument("--reserve-gb", type=float, default=8.0, help="memory kept free for activations/workspace")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rollout needs a CUDA device")
     torch.manual_seed(0)
     s = Shape()
+    global FIXED_ROUTING
+    FIXED_ROUTING = args.fixed_routing
     layers = [Layer(s) for _ in range(args.layers)]
     head = torch.randn(s.vocab, s.dim, device="cuda", dtype=torch.bfloat16) * 0.02
     if args.long:
