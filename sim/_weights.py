@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from trace_lightning.quant import NVFP4, decode_e2m1, unpack_fp4
+from trace_lightning.quant.words import canonical
 
 
 def global_strides(w: NVFP4) -> tuple[Tensor, tuple[int, ...]]:
@@ -36,7 +37,9 @@ def row_globals(w: NVFP4) -> Tensor:
 
 
 def dequantize_weight(w: NVFP4, rows: Tensor | None = None) -> Tensor:
-    """float32 dequantized weight [..., N, K] (only the leading indices `rows`, if given): code * (scale * g)."""
+    """float32 dequantized weight [..., N, K] (only the leading indices `rows`, if given): code * (scale * g).
+    A weight in the Triton kernels' word layout is read in stored order (exact), never misread."""
+    w = canonical(w)
     packed, scales, g = w.packed, w.scales, row_globals(w)
     if rows is not None:
         packed, scales, g = packed[rows], scales[rows], g[rows]

@@ -73,3 +73,16 @@ def test_word_layout_errors_and_canonical_view() -> None:
     w = WordNVFP4(to_word_layout(q.packed), q.scales, q.global_scale)
     assert torch.equal(canonical(w).packed, q.packed) and canonical(q) is q
     assert torch.equal(w.codes(), q.codes()) and torch.equal(w.dequantize(), q.dequantize())
+
+
+def test_sim_ops_read_word_layout_weights_in_stored_order() -> None:
+    """A word-layout weight handed to the sim (e.g. by a caller mixing backends) gives the stored-order result."""
+    from trace_lightning.sim.testing import quantize_weight
+
+    from trace_lightning import sim
+
+    gen = torch.Generator().manual_seed(4)
+    q = quantize_weight(torch.randn(24, 64, generator=gen))
+    w = WordNVFP4(to_word_layout(q.packed), q.scales, q.global_scale)
+    x = torch.randn(5, 64, generator=gen)
+    assert torch.equal(sim.fp4_linear(x, w), sim.fp4_linear(x, q))

@@ -99,3 +99,25 @@ def test_converter_quantizes_like_the_trainers_fake_quant(fmt: str, shape: tuple
     ours, theirs = quantize_weight(w, fmt), weights.quantize(w)
     assert torch.equal(ours.packed, theirs.packed) and torch.equal(ours.scale_bytes(), theirs.scale_bytes())
     assert torch.equal(ours.dequantize(), fake_quantize(w, weights))
+
+
+def test_fp4_modules_hold_the_backends_layout_and_report_stored_order() -> None:
+    """A backend that holds weights in the kernels' word layout (as the Triton one does on CUDA bf16): the module
+    keeps that layout for its GEMMs, `quantized()` (checksums, records) gives the stored order, outputs agree."""
+    import types
+
+    from trace_lightning import sim
+    from trace_lightning.quant.words import WordNVFP4, to_word_layout
+
+    def words(q, compute_dtype):  # noqa: ANN001, ANN202
+        return WordNVFP4(to_word_layout(q.packed), q.scales, q.global_scale)
+
+    ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepare_weight=words)
+    gen = torch.Generator().manual_seed(6)
+    w, x = torch.randn(32, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    fmt = parse_format("nvfp4")
+    held = FP4Linear(w, None, layer=0, name="wo", fmt=fmt, ops=ops, compute_dtype=torch.float32)
+    plain = FP4Linear(w, None, layer=0, name="wo", fmt=fmt, ops=sim, compute_dtype=torch.float32)
+    assert isinstance(held.q, WordNVFP4) and not isinstance(plain.q, WordNVFP4)
+    assert torch.equal(held.quantized()["weight"].packed, quantize_weight(w, fmt).packed)
+    assert torch.equal(held(x), plain(x))
