@@ -154,14 +154,13 @@ def _dequant_pairs_bf16(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.conste
     each word's 4 bytes are one register whatever layout the compiler picks for the tile)."""
     s = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _POW2_119  # NaN scale byte stays NaN
     half = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    PER_BLOCK: tl.constexpr = 2 if WORDS else 8  # packed elements per 16-code block: words or bytes
+    pair = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (ROWS, COLS // 16, PER_BLOCK)),
+                      (ROWS, COLS // 16 * PER_BLOCK))
     if WORDS:
-        pair = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (ROWS, COLS // 16, 2)),
-                          (ROWS, COLS // 8))
         p0, p1, p2, p3 = _word_codes_times_scale(packed, pair)
         return _split_bf16x2(tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (ROWS, COLS // 2)))
     else:
-        pair = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (ROWS, COLS // 16, 8)),
-                          (ROWS, COLS // 2))
         return _codes_times_scale(packed.to(tl.int32), pair)
 
 

@@ -8,7 +8,7 @@ import torch
 from trace_lightning.kernels._common import fast_dequant
 
 from trace_lightning.quant import NVFP4
-from trace_lightning.quant.words import WordNVFP4, to_word_layout
+from trace_lightning.quant.words import WordNVFP4, canonical, to_word_layout
 
 
 def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: bool = False) -> bool:
@@ -33,6 +33,6 @@ def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
 def readable_weight(q: NVFP4, fast: bool) -> tuple[NVFP4, bool]:
     """(weight, in word layout) for a GEMM launch: a word-layout weight goes to the kernel as it is where the
     fast decoder runs and is converted back (exact) where it does not."""
-    if isinstance(q, WordNVFP4):
-        return (q, True) if fast else (q.canonical(), False)
-    return q, False
+    if fast and isinstance(q, WordNVFP4):
+        return q, True
+    return canonical(q), False
