@@ -44,6 +44,7 @@ def scale_bytes(t: Tensor) -> Tensor:
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) tried by the W4A16 GEMM autotuners
 GEMM_TILES = ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (32, 256, 4, 4), (128, 256, 8, 3), (64, 256, 8, 4),
               (32, 128, 4, 2))
+TUNED_K_UNIT = 256  # every autotuned BLOCK_K divides it
 
 
 def tuned(kernel, configs: list, key: list[str]):  # noqa: ANN001, ANN201 (triton kernels)

@@ -264,3 +264,21 @@ def to_word_layout(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
     r3 = _byte_pair_bits(b3)
     return (_byte_pair_bits(b0) | _rotl(_byte_pair_bits(b1), 4) | _rotl(_byte_pair_bits(b2), 10)
             | _rotl(r3 & 0x00400040, 30) | _rotl(r3 & 0x81808180, 22))
+
+
+@triton.jit
+def load_scales(ptr, rows, row_blocks, k0, rmask, COLS: tl.constexpr, EVEN_K: tl.constexpr):
+    """Block-scale bytes uint8 [len(rows), COLS // 16] of the K tile at column k0 (zero past the row's end).
+
+    EVEN_K (the K extent and k0 are multiples of COLS): no column mask, and offsets written so that Triton
+    sees their alignment, so a row's COLS // 16 bytes are one vector load, which Triton pipelines through
+    cp.async. Otherwise each byte is a synchronous load whose result the dequantization waits for a few
+    instructions later: a memory latency per K tile (sm_90 SASS of the gate/up loop)."""
+    if EVEN_K:
+        row_blocks = row_blocks // (COLS // 16) * (COLS // 16)  # the same value, now visibly a multiple
+        sk = k0 // COLS * (COLS // 16) + tl.arange(0, COLS // 16)
+        mask = rmask[:, None]
+    else:
+        sk = k0 // 16 + tl.arange(0, COLS // 16)
+        mask = rmask[:, None] & (sk[None, :] < row_blocks)
+    return tl.load(ptr + rows[:, None] * row_blocks + sk[None, :], mask=mask, other=0)

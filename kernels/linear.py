@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 from trace_lightning.kernels._common import (
     GEMM_TILES,
+    TUNED_K_UNIT,
     autotune_on,
     dot_precision,
     fast_dequant,
@@ -25,7 +26,7 @@ from trace_lightning.kernels._common import (
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, permute_k, unscale
+from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, load_scales, permute_k, unscale
 from trace_lightning.kernels.layout import readable_weight
 from trace_lightning.kernels.reduce import sum_partials
 from trace_lightning.sim._weights import global_strides
@@ -36,7 +37,8 @@ from trace_lightning.quant import NVFP4
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
-                   WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   WORDS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,12 +49,11 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
     k_lo = pid_k * K_SPLIT
     for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        p = load_packed(w_ptr, rn, K // 2, k0, rn < N, BLOCK_K, WORDS)
-        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        s = tl.load(s_ptr + rn[:, None] * (K // 16) + sk[None, :], mask=(rn[:, None] < N) & (sk[None, :] < K // 16),
-                    other=0)
-        w = dequant_tile_kperm(p, s, BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)  # K in permute_k order on both sides
+        x_mask = (rm[:, None] < M) if EVEN_K else (rm[:, None] < M) & (rk[None, :] < K)
+        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=x_mask, other=0.0)
+        w = dequant_tile_kperm(load_packed(w_ptr, rn, K // 2, k0, rn < N, BLOCK_K, WORDS),
+                               load_scales(s_ptr, rn, K // 16, k0, rn < N, BLOCK_K, EVEN_K),
+                               BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)  # K in permute_k order on both sides
         x = permute_k(x.to(DTYPE), BLOCK_M, BLOCK_K)
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
@@ -100,7 +101,7 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
         bm, bn, bk = blocks
     split = split_k or split
     tune = autotune_on(x.device)
-    k_unit = 256 if tune else bk  # an autotuned BLOCK_K (<= 256) must divide each split's K range
+    k_unit = TUNED_K_UNIT if tune else bk  # an autotuned BLOCK_K must divide each split's K range
     k_split = triton.cdiv(triton.cdiv(K, k_unit), split) * k_unit
     split = triton.cdiv(K, k_split)
     out_dtype = out_dtype or x.dtype
@@ -111,7 +112,7 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
                       device=x.device)
     args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), g, g_sn, out,
             M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64,
-            fast, words, bm)
+            fast, words, K % k_split == 0, bm)  # even: no split's K range runs past K
     if tune:
         _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args)
     else:

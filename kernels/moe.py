@@ -16,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 from trace_lightning.kernels._common import (
     GEMM_TILES,
+    TUNED_K_UNIT,
     autotune_on,
     dot_precision,
     fast_dequant,
@@ -25,7 +26,7 @@ from trace_lightning.kernels._common import (
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, permute_k, unscale
+from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, load_scales, permute_k, unscale
 from trace_lightning.kernels.layout import readable_weight
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows
 from trace_lightning.kernels.reduce import sum_partials
@@ -36,38 +37,49 @@ from trace_lightning.quant import NVFP4
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_E: tl.constexpr):
-    """One program: histogram the pairs' experts, pad each expert's run to BLOCK_M, scatter pair ids into
-    their slots in stable (pair) order, label every tile with its expert. Replaces ~12 torch launches."""
+                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One program: histogram the pairs' experts, pad each expert's run to BLOCK_M, label every tile with its
+    expert, then place each chunk of BLOCK_P pairs by sorting it on (expert, pair): a pair's slot is its
+    sorted position plus its expert's offset (start of the expert's run + pairs of earlier chunks - the
+    chunk's pairs of earlier experts), so the order within an expert is the pairs' order (stable)."""
     ev = tl.arange(0, BLOCK_E)
+    pv = tl.arange(0, BLOCK_P)
     counts = tl.zeros((BLOCK_E,), tl.int32)
     for p0 in range(0, P, BLOCK_P):
-        pv = p0 + tl.arange(0, BLOCK_P)
-        e = tl.load(ids_ptr + pv, mask=pv < P, other=-1)
-        counts += tl.sum((e[:, None] == ev[None, :]).to(tl.int32), axis=0)
+        live = p0 + pv < P
+        counts += tl.histogram(tl.load(ids_ptr + p0 + pv, mask=live, other=0).to(tl.int32), BLOCK_E, mask=live)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, axis=0)
     start = pad_end - padded
-    for b0 in range(0, NUM_BLOCKS * BLOCK_M, BLOCK_P):  # every slot padding (== P) first
-        offs = b0 + tl.arange(0, BLOCK_P)
-        tl.store(sorted_ptr + offs, tl.full((BLOCK_P,), P, tl.int64), mask=offs < NUM_BLOCKS * BLOCK_M)
-    for b0 in range(0, NUM_BLOCKS, BLOCK_P):  # tile b belongs to the expert whose padded run holds b * BLOCK_M
-        bv = b0 + tl.arange(0, BLOCK_P)
-        owner = tl.sum(((pad_end[None, :] <= (bv * BLOCK_M)[:, None]) & (ev[None, :] < E)).to(tl.int32), axis=1)
-        tl.store(bexp_ptr + bv, owner, mask=bv < NUM_BLOCKS)
+    sv = tl.arange(0, BLOCK_S)
+    for s0 in range(0, NUM_BLOCKS * BLOCK_M, BLOCK_S):  # every slot padding (== P) first
+        tl.store(sorted_ptr + s0 + sv, tl.full((BLOCK_S,), P, tl.int64), mask=s0 + sv < NUM_BLOCKS * BLOCK_M)
+    # tile b's expert is the number of experts whose padded run ends at or before tile b: a running sum of the
+    # histogram of the runs' end tiles
+    end_tile = pad_end // BLOCK_M
+    ended = tl.zeros((), tl.int32)
+    for b0 in range(0, NUM_BLOCKS, BLOCK_S):
+        t = end_tile - b0
+        ends = tl.histogram(t, BLOCK_S, mask=(ev < E) & (t >= 0) & (t < BLOCK_S))
+        tl.store(bexp_ptr + b0 + sv, ended + tl.cumsum(ends, axis=0), mask=b0 + sv < NUM_BLOCKS)
+        ended += tl.sum(ends, axis=0)
     tl.debug_barrier()  # the padding stores land before any thread's pair stores
     seen = tl.zeros((BLOCK_E,), tl.int32)
     for p0 in range(0, P, BLOCK_P):
-        pv = p0 + tl.arange(0, BLOCK_P)
-        e = tl.load(ids_ptr + pv, mask=pv < P, other=-1)
-        hot = (e[:, None] == ev[None, :]).to(tl.int32)
-        earlier = tl.cumsum(hot, axis=0) - hot  # same-expert pairs before this one in the chunk
-        slot = tl.sum(hot * (start + seen)[None, :] + hot * earlier, axis=1)
-        tl.store(sorted_ptr + slot, pv.to(tl.int64), mask=pv < P)
-        seen += tl.sum(hot, axis=0)
+        live = p0 + pv < P
+        e = tl.load(ids_ptr + p0 + pv, mask=live, other=E).to(tl.int32)  # pairs past P sort last
+        chunk = tl.histogram(e, BLOCK_E, mask=live)
+        order = tl.sort(e * BLOCK_P + pv)  # (expert, index in chunk), ascending
+        expert = order // BLOCK_P
+        shift = start + seen - (tl.cumsum(chunk, axis=0) - chunk)
+        slot = pv + tl.gather(shift, tl.minimum(expert, E - 1), 0)
+        tl.store(sorted_ptr + slot, (p0 + order % BLOCK_P).to(tl.int64), mask=expert < E)
+        seen += chunk
 
 
 ALIGN_WARPS = 4  # one program does the whole sort; tools/sweep_moe.py times 4 / 8 / 16 warps
+ALIGN_CHUNK = 2048  # pairs sorted at a time (decode batches up to 256 tokens x 8 in one chunk)
+ALIGN_SLOTS = 1024  # slots / tiles written at a time
 
 
 def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, int]:
@@ -79,8 +91,9 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
     blocks = triton.cdiv(P, block_m) + min(experts, P)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-    _align_kernel[(1,)](flat, sorted_ids, block_expert, P, experts, blocks, block_m, 128,
-                        max(16, triton.next_power_of_2(experts)), num_warps=ALIGN_WARPS)
+    _align_kernel[(1,)](flat, sorted_ids, block_expert, P, experts, blocks, block_m,
+                        min(ALIGN_CHUNK, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(experts)),
+                        ALIGN_SLOTS, num_warps=ALIGN_WARPS)
     return sorted_ids, block_expert, blocks
 
 
@@ -98,7 +111,8 @@ def _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h_ptr, P, TOPK, E, D, I,
                     DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
-                    WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    WORDS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
     tok = tl.where(valid, rows // TOPK, 0)
@@ -115,19 +129,18 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
     k_end = tl.where(live, D, 0)
     for k0 in range(0, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=valid[:, None] & (rk[None, :] < D), other=0.0)
-        x = permute_k(x.to(DTYPE), BLOCK_M, BLOCK_K)  # K in permute_k order on both sides
-        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        sm = nmask[:, None] & (sk[None, :] < D // 16)
+        x_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < D)
+        x = permute_k(tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=x_mask, other=0.0).to(DTYPE), BLOCK_M,
+                      BLOCK_K)  # K in permute_k order on both sides
         wg = dequant_tile_kperm(load_packed(w_ptr, gate_rows, D // 2, k0, nmask, BLOCK_K, WORDS),
-                                tl.load(s_ptr + gate_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
+                                load_scales(s_ptr, gate_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K),
                                 BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
         wu = dequant_tile_kperm(load_packed(w_ptr, up_rows, D // 2, k0, nmask, BLOCK_K, WORDS),
-                                tl.load(s_ptr + up_rows[:, None] * (D // 16) + sk[None, :], mask=sm, other=0),
+                                load_scales(s_ptr, up_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K),
                                 BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
@@ -151,7 +164,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
 def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D,
                  I,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
-                 FAST: tl.constexpr, WORDS: tl.constexpr,
+                 FAST: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
@@ -166,21 +179,17 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
     k_end = tl.where(live, I, 0)
     for k0 in range(0, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        sk = k0 // 16 + tl.arange(0, BLOCK_K // 16)
         if QUANT_A:
             a = dequant_tile_kperm(  # K in permute_k order on both sides
                 load_packed(a_ptr, safe, I // 2, k0, valid, BLOCK_K, False),
-                tl.load(as_ptr + safe[:, None] * (I // 16) + sk[None, :],
-                        mask=valid[:, None] & (sk[None, :] < I // 16), other=0),
-                BLOCK_M, BLOCK_K, DTYPE, FAST)
+                load_scales(as_ptr, safe, I // 16, k0, valid, BLOCK_K, EVEN_K), BLOCK_M, BLOCK_K, DTYPE, FAST)
         else:
-            a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=valid[:, None] & (rk[None, :] < I),
-                                  other=0.0).to(DTYPE), BLOCK_M, BLOCK_K)
-        w = dequant_tile_kperm(
-            load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS),
-            tl.load(s_ptr + w_rows[:, None] * (I // 16) + sk[None, :], mask=nmask[:, None] & (sk[None, :] < I // 16),
-                    other=0),
-            BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
+            a_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < I)
+            a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=a_mask, other=0.0).to(DTYPE),
+                          BLOCK_M, BLOCK_K)
+        w = dequant_tile_kperm(load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS),
+                               load_scales(s_ptr, w_rows, I // 16, k0, nmask, BLOCK_K, EVEN_K),
+                               BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
         else:
@@ -249,25 +258,26 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     g13, g13_strides = global_strides(w13)
     g2, g2_strides = global_strides(w2)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
-            g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, words13, block_m)
+            g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, words13)
+    bn, bk, warps, stages = GATE_UP_LAUNCH
+    bk = bk or block_k_for(block_m)
     if tune:
-        _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args)
+        _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args, D % TUNED_K_UNIT == 0, block_m)
     else:
-        bn, bk, warps, stages = GATE_UP_LAUNCH
-        bn = bn or block_n
-        _GATE_UP[0][(blocks, triton.cdiv(I, bn))](*args, bn, bk or block_k_for(block_m), num_warps=warps,
-                                                  num_stages=stages)
+        _GATE_UP[0][(blocks, triton.cdiv(I, bn or block_n))](*args, D % bk == 0, block_m, bn or block_n, bk,
+                                                             num_warps=warps, num_stages=stages)
     q = quantize_nvfp4_rows(h.view(N, k, I)) if quantize_intermediate else None
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
     args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
-            q is not None, dt, prec, swap_ab(), fast, words2, block_m)
+            q is not None, dt, prec, swap_ab(), fast, words2)
+    bn, bk, warps, stages = DOWN_LAUNCH
+    bk = bk or block_k_for(block_m)
     if tune:
-        _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args)
+        _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args, I % TUNED_K_UNIT == 0, block_m)
     else:
-        bn, bk, warps, stages = DOWN_LAUNCH
         bn = bn or moe_config(P, E, D, dev)[1]
-        _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, bn, bk or block_k_for(block_m), num_warps=warps,
+        _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, I % bk == 0, block_m, bn, bk, num_warps=warps,
                                                num_stages=stages)
     return sum_partials(y.view(N, k, D), 1, x.dtype), q

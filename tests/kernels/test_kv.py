@@ -103,14 +103,15 @@ def test_word_layout_cache_append_and_attention(device: str) -> None:
     assert torch.equal(sim.fp4_kv_attention(q, words, q_pos, Dh**-0.5), sim.fp4_kv_attention(q, plain, q_pos, Dh**-0.5))
 
 
-def test_kv_word_layout_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Weights take the word layout wherever the fast decoder runs; the KV cache only with
-    TRACE_LIGHTNING_KV_WORDS=1."""
+def test_kv_word_layout_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights and the KV cache take the word layout wherever the fast decoder runs; the cache keeps the stored
+    order with TRACE_LIGHTNING_KV_WORDS=0."""
     monkeypatch.delenv("TRACE_LIGHTNING_KV_WORDS", raising=False)
     assert kernels.prefers_word_layout(torch.bfloat16, "cuda")
-    assert not kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
-    assert not kernels.prefers_word_layout(torch.float32, "cuda")
-    assert not kernels.prefers_word_layout(torch.bfloat16, "cpu")
-    monkeypatch.setenv("TRACE_LIGHTNING_KV_WORDS", "1")
     assert kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
+    assert not kernels.prefers_word_layout(torch.float32, "cuda")
+    assert not kernels.prefers_word_layout(torch.bfloat16, "cpu", cache=True)
+    monkeypatch.setenv("TRACE_LIGHTNING_KV_WORDS", "0")
+    assert not kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
+    assert kernels.prefers_word_layout(torch.bfloat16, "cuda")
     assert not sim.prefers_word_layout(torch.bfloat16, "cuda", cache=True)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from trace_lightning.kernels import moe as moe_kernels
 from trace_lightning.kernels.moe import align_pairs
 from trace_lightning.sim.testing import quantize_weight, random_routing
 
@@ -57,8 +58,20 @@ def test_align_pairs_is_a_stable_padded_sort(device: str, tokens: int, k: int, e
     assert block_expert.cpu().tolist() == owners
 
 
+def test_align_pairs_in_chunks(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More pairs than one sort chunk and more tiles than one store chunk: the running offsets carry over."""
+    monkeypatch.setattr(moe_kernels, "ALIGN_CHUNK", 64)
+    monkeypatch.setattr(moe_kernels, "ALIGN_SLOTS", 32)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(24, generator=gen)[:3] for _ in range(150)])
+    sorted_ids, block_expert, blocks = align_pairs(ids.to(device), 24, 4)
+    slots, owners = reference_alignment(ids.reshape(-1), 24, 4, blocks)
+    assert blocks > 32 and sorted_ids.cpu().tolist() == slots
+    assert block_expert.cpu().tolist() == owners
+
+
 @pytest.mark.parametrize("quantize_h", [True, False])
-@pytest.mark.parametrize("shape", [(9, 64, 48, 6, 2), (40, 32, 32, 4, 3)])
+@pytest.mark.parametrize("shape", [(9, 64, 48, 6, 2), (40, 32, 32, 4, 3), (12, 256, 128, 4, 2)])  # last: K tiles even
 def test_fp4_moe_matches_sim(device: str, quantize_h: bool, shape: tuple[int, ...]) -> None:
     x, w13, w2, ids, weights = problem(*shape, device, seed=sum(shape))
     out, q = kernels.fp4_moe(x, w13, w2, ids, weights, quantize_intermediate=quantize_h)

@@ -3,7 +3,7 @@
 In the stored NVFP4 order a code's sign sits 3 bits above its magnitude, where a bf16 wants it 9 bits above
 (magnitude at bf16 bits 6-8, sign at 15, E2M1 code * 2^-126 exactly), so the decoder must place every code
 on its own (`kernels/_fp4._codes_times_scale`: ~6 instructions per byte). GEMM weights (static between
-syncs) and, opt-in, the FP4 KV cache (written once per token) are therefore held with their bits permuted
+syncs) and the FP4 KV cache (written once per token) are therefore held with their bits permuted
 once per 32-bit word, such that three of the word's four bf16 pairs come out of one rotate and one mask and the
 fourth out of two of each (13 instructions per 4 bytes with the scale multiplies). It is a pure bit
 permutation: same bytes, same size, exact inverse.
