@@ -40,7 +40,8 @@ def main() -> None:
         for i, p in enumerate(prompts) for k in sorted(t.captures[i])
     }
     layer0 = [v for key, v in bytes_equal.items() if key.split(":")[1] == "0" and key.endswith("attn_in")]
-    print(json.dumps({"check": "triton_vs_sim", "sequences_equal": same_tokens, "of": len(prompts),
+    print(json.dumps({"check": "triton_vs_sim", "graph_steps": {b: o.stats["graph_steps"] for b, o in out.items()},
+                      "sequences_equal": same_tokens, "of": len(prompts),
                       "max_logprob_diff": lp_diff, "prompt_record_bytes_equal_fraction":
                       sum(bytes_equal.values()) / len(bytes_equal), "layer0_attn_in_equal": all(layer0)}))
     records = [QuantRecord.from_captures(c, r, t.policy_version, mode="parity") for c, r in zip(t.captures, t.routes,
@@ -62,8 +63,9 @@ def main() -> None:
                       "value_agreement": metrics["quant/value_agreement"]}))
 
 
-def graph_vs_eager(name: str, batch: int, new_tokens: int) -> None:
-    """Same greedy rollout with decode steps as CUDA-graph replays and eagerly: tokens, logprobs, decode time."""
+def graph_vs_eager(name: str, batch: int, new_tokens: int, capture: CaptureSpec | None = None) -> None:
+    """Same greedy rollout with decode steps as CUDA-graph replays and eagerly: tokens, logprobs, decode time;
+    with `capture`, also whether the step with records was captured and whether the records are identical."""
     torch.manual_seed(1)
     policy = Transformer.from_name(name).cuda()
     prompts = [[1, *torch.randint(3, 100, (8 + b % 5,)).tolist()] for b in range(batch)]
@@ -71,11 +73,16 @@ def graph_vs_eager(name: str, batch: int, new_tokens: int) -> None:
     runs = {}
     for graph in (True, False):
         engine = Engine(copy.deepcopy(policy), FP4Precision(compute_dtype=torch.bfloat16), cuda_graph=graph)
-        engine.generate(prompts, params)  # warm-up: Triton compilation
-        runs[graph] = engine.generate(prompts, params)
+        engine.generate(prompts, params, capture=capture)  # warm-up: Triton compilation
+        runs[graph] = engine.generate(prompts, params, capture=capture)
     g, e = runs[True], runs[False]
     lp_diff = max(abs(x - y) for a, b in zip(g.logprobs, e.logprobs, strict=True) for x, y in zip(a, b, strict=False))
-    print(json.dumps({"check": "cuda_graph_decode", "model": name, "batch": batch,
+    records = {}
+    if capture is not None:
+        records["records_equal"] = all(torch.equal(a[k].packed, b[k].packed) and torch.equal(a[k].scales, b[k].scales)
+                                       for a, b in zip(g.captures, e.captures, strict=True) for k in a)
+    print(json.dumps({"check": "cuda_graph_decode", "model": name, "batch": batch, "capture": capture is not None,
+                      **records,
                       "graph_steps": g.stats["graph_steps"],
                       "same_tokens": sum(a == b for a, b in zip(g.responses, e.responses, strict=True)), "of": batch,
                       "max_logprob_diff": lp_diff,
@@ -87,3 +94,4 @@ if __name__ == "__main__":
     main()
     graph_vs_eager("debug-moe", 8, 32)
     graph_vs_eager("small-moe", 16, 32)
+    graph_vs_eager("small-moe", 16, 32, CaptureSpec(layers="all"))  # the RL path: every rollout records
