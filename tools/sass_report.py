@@ -57,6 +57,7 @@ def sass_of(fn, consts: dict, warps: int, stages: int, out: Path, tag: str) -> d
     ops = collections.Counter(op.split(".")[0] for _, op in instructions(sass))
     loop = loop_ops(sass)
     return {"tag": tag, "shared": k.metadata.shared, "total": sum(ops.values()), "loop": sum(loop.values()),
+            "loop_LDG": loop["LDG"], "loop_LDGSTS": loop["LDGSTS"],  # synchronous / cp.async global loads
             "LDL": ops["LDL"], "STL": ops["STL"],
             "HGMMA": ops["HGMMA"], "HMMA": ops["HMMA"], "LDG": ops["LDG"], "IMAD": ops["IMAD"], "LOP3": ops["LOP3"],
             "PRMT": ops["PRMT"], "FMUL": ops["FMUL"], "F2FP": ops["F2FP"]}
