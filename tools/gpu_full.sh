@@ -20,7 +20,7 @@ TRACE_LIGHTNING_ATTN_SHAPE=${LONG:-32,4,2,8} timeout 120 python3 bench_rollout.p
 TRACE_LIGHTNING_KV_WORDS=0 TRACE_LIGHTNING_ATTN_SHAPE=${LONG:-32,4,2,8} timeout 120 python3 bench_rollout.py --layers 8 \
   --long 16384 2>&1 | tee "$OUT/bench_long_kv_stored.log" | grep "^| fp4\|FP4 / BF16"
 timeout 150 python3 bench_kernels.py --only copy quant linear moe attn 2>&1 | tee "$OUT/bench_kernels.log" | grep "fp4\|bf16" | cut -d'|' -f2-4,7-8
-timeout 100 python3 gpu_engine_check.py 2>&1 | tee "$OUT/engine_check.log" | grep cuda_graph
+timeout 100 python3 gpu_engine_check.py 2>&1 | tee "$OUT/engine_check.log" | grep "cuda_graph\|triton_vs_sim"
 timeout 170 python3 bench_hf_peer.py --layers 4 --batches 1 64 --new-tokens 32 --prompt-len 256 2>&1 \
   | tee "$OUT/bench_hf.log" | grep "^|"
 timeout 60 python3 profile_step.py --layers 4 --batch 64 2>&1 | tee "$OUT/profile.log" | grep -A9 "fp4 batch"
