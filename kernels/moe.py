@@ -68,7 +68,7 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.c
     for p0 in range(0, P, BLOCK_P):
         live = p0 + pv < P
         e = tl.load(ids_ptr + p0 + pv, mask=live, other=E).to(tl.int32)  # pairs past P sort last
-        chunk = tl.histogram(e, BLOCK_E, mask=live)
+        chunk = tl.histogram(tl.where(live, e, 0), BLOCK_E, mask=live)  # every bin index in range, masked or not
         order = tl.sort(e * BLOCK_P + pv)  # (expert, index in chunk), ascending
         expert = order // BLOCK_P
         shift = start + seen - (tl.cumsum(chunk, axis=0) - chunk)

@@ -48,7 +48,7 @@ def reference_alignment(flat: torch.Tensor, experts: int, block_m: int, blocks: 
 
 
 @pytest.mark.parametrize(("tokens", "k", "experts", "block_m"), [(3, 2, 4, 2), (64, 8, 128, 16), (50, 6, 60, 16),
-                                                                 (300, 2, 8, 64), (1, 8, 128, 16)])
+                                                                 (300, 2, 8, 64), (1, 8, 128, 16), (37, 8, 64, 16)])
 def test_align_pairs_is_a_stable_padded_sort(device: str, tokens: int, k: int, experts: int, block_m: int) -> None:
     gen = torch.Generator().manual_seed(tokens * experts + k)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
