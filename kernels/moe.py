@@ -92,7 +92,7 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat, sorted_ids, block_expert, P, experts, blocks, block_m,
-                        min(ALIGN_CHUNK, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(experts)),
+                        max(16, min(ALIGN_CHUNK, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(experts)),
                         ALIGN_SLOTS, num_warps=ALIGN_WARPS)
     return sorted_ids, block_expert, blocks
 

@@ -58,6 +58,11 @@ def test_align_pairs_is_a_stable_padded_sort(device: str, tokens: int, k: int, e
     assert block_expert.cpu().tolist() == owners
 
 
+def test_align_pairs_with_no_pairs(device: str) -> None:
+    sorted_ids, block_expert, blocks = align_pairs(torch.zeros(0, 8, dtype=torch.int64, device=device), 128, 16)
+    assert blocks == 0 and sorted_ids.numel() == 0 and block_expert.numel() == 0
+
+
 def test_align_pairs_in_chunks(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """More pairs than one sort chunk and more tiles than one store chunk: the running offsets carry over."""
     monkeypatch.setattr(moe_kernels, "ALIGN_CHUNK", 64)
