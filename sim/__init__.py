@@ -16,6 +16,7 @@ from trace_lightning.sim.quantize import (
     quantize_nvfp4,
     quantize_nvfp4_rows,
 )
+from trace_lightning.sim.rope import rope
 
 __all__ = [
     "fake_quantize_nvfp4_rows",
@@ -30,4 +31,5 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_nvfp4_rows",
     "rms_norm",
+    "rope",
 ]

@@ -4,9 +4,10 @@ Run: python tools/bench_rollout.py --layers 8 --batches 1 16 64 256 --ctx 2048
      python tools/bench_rollout.py --layers 8 --long 16384   (long rollouts, see long_rollout)
 Random weights (never zeros). BF16 path: torch bf16 matmuls, SDPA over a bf16 cache, torch._grouped_mm
 experts. FP4 path: W4 weights + A4 activations (fake_quantize_nvfp4_rows at attn_in/attn_out/moe_in, the
-fused moe_down) + FP4 KV cache, all through trace_lightning.kernels. Norms, RoPE, router, lm_head stay
-bf16 in both. `--layers` are measured (captured as one CUDA graph per path) and scaled to the model's 48;
-the lm_head is measured on its own and added once. Roofline = (weight bytes touched + KV bytes) / 4.25 TB/s.
+fused moe_down) + FP4 KV cache, all through trace_lightning.kernels. Norms, RoPE, router, lm_head stay bf16
+in both; the norms and the q / k norm + RoPE run through the engine's one-launch kernels in both. `--layers`
+are measured (captured as one CUDA graph per path) and scaled to the model's 48; the lm_head is measured on
+its own and added once. Roofline = (weight bytes touched + KV bytes) / 4.25 TB/s.
 """
 
 from __future__ import annotations
@@ -45,11 +46,6 @@ def rms(x: Tensor, w: Tensor) -> Tensor:
     return kernels.rms_norm(x, w, 1e-6)
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-b, a), dim=-1) * sin
-
-
 def quantize_weight(w: Tensor) -> NVFP4:
     """NVFP4 of w with per-matrix globals, in the layout the engine holds it in (kernels.prepare_weight)."""
     g = tensor_global_scale(w, 2)
@@ -76,8 +72,9 @@ class Layer:
 def attn_proj(s: Shape, layer: Layer, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     B = qkv.shape[0]
     q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
-    q = rope(rms(q.view(B, s.heads, s.head_dim), layer.qn), cos, sin)  # (B, Hq, Dh)
-    k = rope(rms(k.view(B, s.kv_heads, s.head_dim), layer.kn), cos, sin)  # (B, Hkv, Dh)
+    # the engine's head norm + RoPE in both paths: one kernel each for q and k (kernels.rope)
+    q = kernels.rope(q.view(B, 1, s.heads, s.head_dim), cos, sin, layer.qn, 1e-6).view(B, s.heads, s.head_dim)
+    k = kernels.rope(k.view(B, 1, s.kv_heads, s.head_dim), cos, sin, layer.kn, 1e-6).view(B, s.kv_heads, s.head_dim)
     return q, k, v.view(B, s.kv_heads, s.head_dim)
 
 
@@ -165,12 +162,12 @@ def fill_caches(s: Shape, L: int, B: int, ctx: int) -> tuple[list[tuple[Tensor, 
 
 
 def step_inputs(s: Shape, B: int, ctx: int, device: str = "cuda") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(x [B, D] bf16, positions [B], cos, sin [1, 1, Dh]) of a decode step at position ctx (RoPE theta 1e6)."""
+    """(x [B, D] bf16, positions [B], cos, sin [B, 1, Dh]) of a decode step at position ctx (RoPE theta 1e6)."""
     x = torch.randn(B, s.dim, device=device, dtype=torch.bfloat16)
     pos = torch.full((B,), ctx, device=device, dtype=torch.int64)
     inv = 1.0 / (1e6 ** (torch.arange(0, s.head_dim, 2, device=device).float() / s.head_dim))
     ang = torch.cat([ctx * inv, ctx * inv]).to(torch.bfloat16)
-    return x, pos, ang.cos()[None, None], ang.sin()[None, None]
+    return x, pos, ang.cos().expand(B, 1, -1).contiguous(), ang.sin().expand(B, 1, -1).contiguous()
 
 
 def timed(fn) -> tuple[float, str]:  # noqa: ANN001

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trace_lightning import kernels, sim
-from trace_lightning.model.model import RMSNorm
+from trace_lightning.model.model import Attention, RMSNorm
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -32,8 +32,9 @@ def test_rms_norm_rejects_a_weight_of_the_wrong_width(device: str) -> None:
 
 
 def test_engine_runs_its_norms_through_the_kernel(device: str) -> None:
-    """A bf16 engine on the Triton backend sets every RMSNorm to the one-launch kernel and samples what the sim
-    backend's engine (the model's own norms) samples; on CPU bit for bit (the kernel rounds bf16 like torch)."""
+    """A bf16 engine on the Triton backend sets every RMSNorm to the one-launch kernel (and the q / k norm + RoPE to
+    kernels.rope) and samples what the sim backend's engine (the model's own ops) samples; on CPU bit for bit (the
+    kernels round bf16 like torch)."""
     import copy
 
     from trace_lightning.model import Transformer
@@ -48,11 +49,21 @@ def test_engine_runs_its_norms_through_the_kernel(device: str) -> None:
     norms = [m for m in fused.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.fused is kernels.rms_norm for m in norms)
     assert all(m.fused is None for m in plain.model.modules() if isinstance(m, RMSNorm))
-    calls = []
-    for m in norms:  # count the kernel's calls: generate runs without autograd, so each norm takes it
-        m.fused = lambda *args, f=m.fused: calls.append(1) or f(*args)
+    attention = [m for m in fused.model.modules() if isinstance(m, Attention)]
+    assert attention and all(m.fused_rope is kernels.rope for m in attention)  # q / k norm + RoPE in one launch
+    assert all(m.fused_rope is None for m in plain.model.modules() if isinstance(m, Attention))
+    calls = {"norm": 0, "rope": 0}
+
+    def counted(f, kind: str):  # noqa: ANN001, ANN202
+        return lambda *args: calls.__setitem__(kind, calls[kind] + 1) or f(*args)
+
+    for m in norms:  # count the kernels' calls: generate runs without autograd, so each module takes its kernel
+        m.fused = counted(m.fused, "norm")
+    for m in attention:
+        m.fused_rope = counted(m.fused_rope, "rope")
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)
-    assert len(calls) >= len(norms) * 4  # prefill + 3 decode steps
+    # prefill + 3 decode steps; the q / k norms run inside the rope kernel
+    assert calls["norm"] >= (len(norms) - 2 * len(attention)) * 4 and calls["rope"] >= 2 * len(attention) * 4
     assert a.responses == b.responses
     if device == "cpu":
         assert a.logprobs == b.logprobs

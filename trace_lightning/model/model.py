@@ -110,6 +110,9 @@ class Attention(nn.Module):
         norm_dims = {"none": None, "head": (c.head_dim, c.head_dim), "full": (c.q_dim, c.kv_dim)}[c.qk_norm]
         self.q_norm = RMSNorm(norm_dims[0], c.norm_eps) if norm_dims else None
         self.k_norm = RMSNorm(norm_dims[1], c.norm_eps) if norm_dims else None
+        self.fused_rope: Callable[..., Tensor] | None = None
+        """Head norm + RoPE of q or k in one launch, (x, cos, sin, norm weight or None, eps) -> out, the same
+        arithmetic, used without autograd for per-head or no q/k norm: the rollout engine sets ops.rope on GPU."""
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], positions: Tensor, mask: Tensor | None,
                 cache: KVCacheProtocol | None, hook: QuantHook | None) -> Tensor:
@@ -122,9 +125,13 @@ class Attention(nn.Module):
         q = q.view(B, T, c.n_heads, c.head_dim)  # (B, T, Hq, Dh)
         k = k.view(B, T, c.n_kv_heads, c.head_dim)  # (B, T, Hkv, Dh)
         v = v.view(B, T, c.n_kv_heads, c.head_dim)  # (B, T, Hkv, Dh)
-        if c.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.fused_rope is not None and c.qk_norm != "full" and not torch.is_grad_enabled():
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm == "head" else (None, None)
+            q, k = self.fused_rope(q, *rope, qw, c.norm_eps), self.fused_rope(k, *rope, kw, c.norm_eps)
+        else:
+            if c.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k = _site(hook, k, self.layer, "k")
         v = _site(hook, v, self.layer, "v")
         attend = getattr(cache, "attend", None)  # optional: caches that can attend on their packed form
