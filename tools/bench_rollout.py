@@ -24,6 +24,7 @@ from bench_kernels import bf16_moe
 from torch import Tensor
 
 from trace_lightning import kernels
+from trace_lightning.model.model import apply_rope
 from trace_lightning.ops import FP4KVLayer
 from trace_lightning.quant import NVFP4, tensor_global_scale
 
@@ -72,10 +73,15 @@ class Layer:
 def attn_proj(s: Shape, layer: Layer, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     B = qkv.shape[0]
     q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
-    # the engine's head norm + RoPE in both paths: one kernel each for q and k (kernels.rope)
-    q = kernels.rope(q.view(B, 1, s.heads, s.head_dim), cos, sin, layer.qn, 1e-6).view(B, s.heads, s.head_dim)
-    k = kernels.rope(k.view(B, 1, s.kv_heads, s.head_dim), cos, sin, layer.kn, 1e-6).view(B, s.kv_heads, s.head_dim)
-    return q, k, v.view(B, s.kv_heads, s.head_dim)
+    q, k = q.view(B, 1, s.heads, s.head_dim), k.view(B, 1, s.kv_heads, s.head_dim)
+    if UNFUSED_ROPE:  # the model's torch ops (the before of kernels.rope)
+        q, k = apply_rope(rms(q, layer.qn), cos, sin), apply_rope(rms(k, layer.kn), cos, sin)
+    else:  # the engine's head norm + RoPE in both paths: one kernel each for q and k
+        q, k = kernels.rope(q, cos, sin, layer.qn, 1e-6), kernels.rope(k, cos, sin, layer.kn, 1e-6)
+    return q.view(B, s.heads, s.head_dim), k.view(B, s.kv_heads, s.head_dim), v.view(B, s.kv_heads, s.head_dim)
+
+
+UNFUSED_ROPE = False  # --unfused-rope
 
 
 FIXED_ROUTING = False  # --fixed-routing: every layer routes batch row b to the same random experts, whatever h is
@@ -282,14 +288,16 @@ def main() -> None:
     parser.add_argument("--fixed-routing", action="store_true",
                         help="route from a fixed random table, not the router: times that do not depend on values "
                              "(for experiments that break the numerics)")
+    parser.add_argument("--unfused-rope", action="store_true",
+                        help="q / k norm + RoPE with the model's torch ops instead of kernels.rope (both paths)")
     parser.add_argument("--reserve-gb", type=float, default=8.0, help="memory kept free for activations/workspace")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rollout needs a CUDA device")
     torch.manual_seed(0)
     s = Shape()
-    global FIXED_ROUTING
-    FIXED_ROUTING = args.fixed_routing
+    global FIXED_ROUTING, UNFUSED_ROPE
+    FIXED_ROUTING, UNFUSED_ROPE = args.fixed_routing, args.unfused_rope
     layers = [Layer(s) for _ in range(args.layers)]
     head = torch.randn(s.vocab, s.dim, device="cuda", dtype=torch.bfloat16) * 0.02
     if args.long:

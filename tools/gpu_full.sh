@@ -14,6 +14,8 @@ cd tools
 timeout 150 python3 sweep_attention.py 2>&1 | tee "$OUT/sweep_attention.log" | grep -v "^#"
 LONG=$(grep "BEST B=250" "$OUT/sweep_attention.log" | sed 's/.*TRACE_LIGHTNING_ATTN_SHAPE=//')
 timeout 100 python3 bench_rollout.py --layers 8 --batches 1 16 64 256 2>&1 | tee "$OUT/bench_rollout.log" | grep "^| fp4\|^| bf16" | cut -d'|' -f2,3,6,7,8,12,13
+echo "## the same at batch 64 with the q / k norm + RoPE as torch ops (the before of kernels.rope)"
+timeout 60 python3 bench_rollout.py --layers 8 --batches 64 --unfused-rope 2>&1 | grep "^| fp4\|^| bf16" | cut -d'|' -f2,3,6
 TRACE_LIGHTNING_ATTN_SHAPE=${LONG:-32,4,2,8} timeout 120 python3 bench_rollout.py --layers 8 --long 16384 2>&1 \
   | tee "$OUT/bench_long.log" | grep "^| fp4\|^| bf16\|FP4 / BF16"
 # the same long rollouts with the FP4 KV cache in the stored order (the word layout is the default)
