@@ -27,7 +27,7 @@ from trace_lightning.kernels._common import (
     sm_count,
     tuned,
 )
-from trace_lightning.kernels._fp4 import abs_bits_max, dequant_tile, load_packed, to_word_layout, unscale
+from trace_lightning.kernels._fp4 import abs_bits_max, dequant_tile, load_packed, load_scales, to_word_layout, unscale
 from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_bits
 
 from trace_lightning.quant import NVFP4
@@ -125,13 +125,12 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, DH), tl.float32)
     base = bh * S
-    sd = tl.arange(0, DH // 16)
     for s0 in range(lo, hi, BLOCK_S):
         js = s0 + tl.arange(0, BLOCK_S)
         valid = js < hi
         rows = base + js
         kt = dequant_tile(load_packed(kp, rows, DH // 2, 0, valid, DH, WORDS),
-                          tl.load(ks + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
+                          load_scales(ks, rows, DH // 16, 0, valid, DH, True),
                           BLOCK_S, DH, DTYPE, FAST, WORDS)
         gk = unscale(tl.load(kg + rows, mask=valid, other=0.0), FAST)
         scores = tl.dot(q, tl.trans(kt), input_precision=PREC) * (gk * sm_scale)[None, :]
@@ -141,7 +140,7 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = dequant_tile(load_packed(vp, rows, DH // 2, 0, valid, DH, WORDS),
-                          tl.load(vs + rows[:, None] * (DH // 16) + sd[None, :], mask=valid[:, None], other=0),
+                          load_scales(vs, rows, DH // 16, 0, valid, DH, True),
                           BLOCK_S, DH, DTYPE, FAST, WORDS)
         gv = unscale(tl.load(vg + rows, mask=valid, other=0.0), FAST)
         acc = acc * alpha[:, None] + tl.dot((p * gv[None, :]).to(DTYPE), vt, input_precision=PREC)
