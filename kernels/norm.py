@@ -36,9 +36,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, inv_d, eps, X_DTYPE: tl.conste
     offs = r[:, None].to(tl.int64) * D + d[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=1) * inv_d + eps)
-    y = _round_to(x * inv[:, None], X_DTYPE).to(tl.float32)
     w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _round_to(w[None, :] * y, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, weighted_norm(x, inv, w[None, :], X_DTYPE, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def weighted_norm(x, inv, w, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """weight * (x * inv).to(x's dtype), rounded to OUT_DTYPE: the model's RMSNorm after its statistics
+    (float32 x [rows, cols], inv [rows], w broadcastable to x)."""
+    return _round_to(w * _round_to(x * inv[:, None], X_DTYPE).to(tl.float32), OUT_DTYPE)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from trace_lightning.kernels._common import TL_DTYPES
-from trace_lightning.kernels.norm import _round_to
+from trace_lightning.kernels.norm import _round_to, weighted_norm
 
 
 @triton.jit
@@ -28,11 +28,10 @@ def _rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, sx_bt, sx_h, inv_d,
     x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
     if NORM:  # weight * (x * rsqrt(mean(x^2) + eps)).to(x dtype), rounded to the norm's result dtype
-        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) * inv_d + eps)[:, None]
-        w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
-        x1 = _round_to(w1 * _round_to(x1 * inv, X_DTYPE).to(tl.float32), Y_DTYPE).to(tl.float32)
-        x2 = _round_to(w2 * _round_to(x2 * inv, X_DTYPE).to(tl.float32), Y_DTYPE).to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) * inv_d + eps)
+        x1 = weighted_norm(x1, inv, tl.load(w_ptr + d).to(tl.float32)[None, :], X_DTYPE, Y_DTYPE).to(tl.float32)
+        x2 = weighted_norm(x2, inv, tl.load(w_ptr + HALF + d).to(tl.float32)[None, :], X_DTYPE,
+                           Y_DTYPE).to(tl.float32)
     trig = bt * DH + d[None, :]
     c1 = tl.load(cos_ptr + trig).to(tl.float32)
     c2 = tl.load(cos_ptr + trig + HALF).to(tl.float32)

@@ -93,8 +93,8 @@ class FP4KVLayer:
         """This cache with its packed codes in stored NVFP4 order (itself when it is; else an exact copy)."""
         if not self.words:
             return self
-        return FP4KVLayer(from_word_layout(self.k_packed), self.k_scales, self.k_global,
-                          from_word_layout(self.v_packed), self.v_scales, self.v_global)
+        k, v = self.keys(), self.values()
+        return FP4KVLayer(k.packed, k.scales, k.global_scale, v.packed, v.scales, v.global_scale)
 
     def keys(self, length: int | None = None) -> NVFP4:
         """NVFP4 keys [B, Hkv, length, Dh] in stored order."""
