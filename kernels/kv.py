@@ -107,7 +107,7 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
 def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_ptr, sm_scale,
                        T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                       FAST: tl.constexpr, WORDS: tl.constexpr):
+                       FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr):
     bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
     t = bht % T
     bh = bht // T
@@ -133,7 +133,11 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
                           load_scales(ks, rows, DH // 16, 0, valid, DH, True),
                           BLOCK_S, DH, DTYPE, FAST, WORDS)
         gk = unscale(tl.load(kg + rows, mask=valid, other=0.0), FAST)
-        scores = tl.dot(q, tl.trans(kt), input_precision=PREC) * (gk * sm_scale)[None, :]
+        if SWAP:  # keys on the MMA's M side (ATTN_SWAP)
+            scores = tl.trans(tl.dot(kt, tl.trans(q), input_precision=PREC))
+        else:
+            scores = tl.dot(q, tl.trans(kt), input_precision=PREC)
+        scores = scores * (gk * sm_scale)[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -143,7 +147,11 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
                           load_scales(vs, rows, DH // 16, 0, valid, DH, True),
                           BLOCK_S, DH, DTYPE, FAST, WORDS)
         gv = unscale(tl.load(vg + rows, mask=valid, other=0.0), FAST)
-        acc = acc * alpha[:, None] + tl.dot((p * gv[None, :]).to(DTYPE), vt, input_precision=PREC)
+        pv = (p * gv[None, :]).to(DTYPE)
+        if SWAP:
+            acc = tl.trans(tl.dot(tl.trans(vt), tl.trans(pv), tl.trans(acc * alpha[:, None]), input_precision=PREC))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=PREC)
         m_i = m_new
     part = (bht * NUM_SPLITS + split) * G + gi
     tl.store(o_ptr + part[:, None] * DH + d[None, :], acc, mask=gi[:, None] < G)
@@ -185,6 +193,11 @@ _ATTN = tuned(_attn_split_kernel, [
 # and B=250 / 16K (1.5-1.6x the former 32,4,2,8) and within ~10% of the best at B=64 (tools/sweep_attention.py).
 ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES, ATTN_PROGRAMS_PER_SM = (
     int(v) for v in os.environ.get("TRACE_LIGHTNING_ATTN_SHAPE", "64,2,3,4").split(","))
+# Keys on the MMA's M side: scores^T = K q^T and out^T = V^T p^T (TRACE_LIGHTNING_ATTN_SWAP=0 for q K^T, p V). The
+# dequantized key tile is then the register A operand and the G query heads of a kv head are the N side, which
+# mma's n8 tiles take unpadded (G = 8: the q-side form pads M to 16 rows, half its MMAs wasted); sm_90 SASS of the
+# 64-key loop, 2 warps: 1351 -> 1065 instructions per thread, 207 -> 159 registers (tools/sass_report.py).
+ATTN_SWAP = os.environ.get("TRACE_LIGHTNING_ATTN_SWAP", "1") != "0"
 
 
 def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> int:
@@ -232,13 +245,13 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
     pos = q_positions.to(torch.int64).contiguous()
     args = (q.contiguous(), pos, layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
             layer.v_packed, scale_bytes(layer.v_scales), layer.v_global, o, m, l_sum, float(sm_scale),
-            T, Hkv, S, split_len, splits, G, Dh, max(16, triton.next_power_of_2(G)))
+            T, Hkv, S, split_len, splits, G, Dh, max(8 if ATTN_SWAP else 16, triton.next_power_of_2(G)))
     dt, prec = mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device)
     if tune:
-        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words)
+        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, SWAP=ATTN_SWAP)
     else:
         _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words,
-                                           num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
+                                           SWAP=ATTN_SWAP, num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
                                   num_warps=4)

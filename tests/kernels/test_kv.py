@@ -39,7 +39,13 @@ def test_kv_append_bytes_match_sim(device: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_attention_matches_sim(device: str, dtype: torch.dtype, splits: int | None) -> None:
+@pytest.mark.parametrize("swap", [True, False])
+def test_attention_matches_sim(monkeypatch: pytest.MonkeyPatch, device: str, dtype: torch.dtype, splits: int | None,
+                               swap: bool) -> None:
+    """Both MMA forms (keys on the M side, the default, or query heads on it) against the sim."""
+    from trace_lightning.kernels import kv as kv_kernels
+
+    monkeypatch.setattr(kv_kernels, "ATTN_SWAP", swap)
     gen = torch.Generator().manual_seed(1)
     B, Hq, Hkv, S, Dh, T = 2, 8, 2, 150, 64, 2
     layer = FP4KVLayer.allocate(B, Hkv, S, Dh, device)
