@@ -188,11 +188,15 @@ _ATTN = tuned(_attn_split_kernel, [
 ], key=["T", "H", "S", "SPLIT_LEN", "NUM_SPLITS", "G", "DH"])
 
 
-# Decode-attention launch shape (keys per iteration, warps, pipeline stages, programs per SM for the split count):
-# 64 keys, 2 warps, 3 stages, ~4 programs per SM measured best of 36 shapes on an H200 at B=256 / 2K context
-# and B=250 / 16K (1.5-1.6x the former 32,4,2,8) and within ~10% of the best at B=64 (tools/sweep_attention.py).
+# Decode-attention launch shape (keys per iteration, warps, pipeline stages, programs per SM for the split count).
+# tools/sweep_attention.py on an H200, keys-on-M form, 36 shapes: 64 keys / 2 warps / 3 stages / 4 per SM is the best
+# at B=64 / 2K context (63 us); programs streaming 2K keys or more (B=256 / 2K: one split; B=250 / 16K) do better
+# with 128 keys and 2 stages (220 -> 212 us, 1629 -> 1497 us), so those take ATTN_LONG_SHAPE. Setting
+# TRACE_LIGHTNING_ATTN_SHAPE (keys,warps,stages,per-SM) fixes one shape for every size.
 ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES, ATTN_PROGRAMS_PER_SM = (
     int(v) for v in os.environ.get("TRACE_LIGHTNING_ATTN_SHAPE", "64,2,3,4").split(","))
+ATTN_LONG_SHAPE: tuple[int, int, int] | None = None if "TRACE_LIGHTNING_ATTN_SHAPE" in os.environ else (128, 2, 2)
+ATTN_LONG_KEYS = 2048  # keys per program from which ATTN_LONG_SHAPE is used
 # Keys on the MMA's M side: scores^T = K q^T and out^T = V^T p^T (TRACE_LIGHTNING_ATTN_SWAP=0 for q K^T, p V). The
 # dequantized key tile is then the register A operand and the G query heads of a kv head are the N side, which
 # mma's n8 tiles take unpadded (G = 8: the q-side form pads M to 16 rows, half its MMAs wasted); sm_90 SASS of the
@@ -207,6 +211,13 @@ def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> i
     without a partial last wave matters: at B = 64 / 2K context, 3 splits gave 768 programs = 1.45 waves
     (ncu), so a second round of 11 blocks each; 2 splits is one round of 17."""
     return _best_splits(work, triton.cdiv(S, block_s), ATTN_PROGRAMS_PER_SM * sm_count(device))
+
+
+def attention_shape(split_len: int) -> tuple[int, int, int]:
+    """(keys per iteration, warps, stages) for programs that each stream up to split_len keys."""
+    if ATTN_LONG_SHAPE is not None and split_len >= ATTN_LONG_KEYS:
+        return ATTN_LONG_SHAPE
+    return ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES
 
 
 @functools.lru_cache(maxsize=256)
@@ -232,11 +243,12 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
     fast = fast_dequant(q.dtype, q.device)
     if layer.words and not fast:  # only the fast decoder reads words: an exact stored-order copy for the rest
         layer = layer.stored_order()
-    block_s = ATTN_BLOCK_S
     tune = autotune_on(q.device)
-    unit = 128 if tune else block_s  # whole (autotuned) key blocks per split
+    unit = 128 if tune else ATTN_BLOCK_S  # whole (autotuned) key blocks per split
     splits = num_splits or attention_splits(B * Hkv * T, S, unit, q.device)
     split_len = triton.cdiv(triton.cdiv(S, splits), unit) * unit
+    block_s, warps, stages = attention_shape(split_len)
+    split_len = triton.cdiv(split_len, block_s) * block_s
     splits = triton.cdiv(S, split_len)
     work = B * Hkv * T
     o = torch.empty(work * splits * G, Dh, dtype=torch.float32, device=q.device)
@@ -251,7 +263,7 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
         _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, SWAP=ATTN_SWAP)
     else:
         _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words,
-                                           SWAP=ATTN_SWAP, num_warps=ATTN_WARPS, num_stages=ATTN_STAGES)
+                                           SWAP=ATTN_SWAP, num_warps=warps, num_stages=stages)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
                                   num_warps=4)

@@ -1,5 +1,7 @@
 """Triton KV append (identical bytes in the record and the cache) and split-KV attention vs the sim."""
 
+import math
+
 import pytest
 import torch
 from trace_lightning.kernels.kv import kv_attention
@@ -121,3 +123,21 @@ def test_kv_word_layout_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> No
     assert not kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
     assert kernels.prefers_word_layout(torch.bfloat16, "cuda")
     assert not sim.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
+
+
+@pytest.mark.parametrize(("batch", "ctx", "keys"), [(64, 2048, 64), (256, 2048, 128), (250, 16896, 128), (1, 2048, 64)])
+def test_attention_shape_by_keys_per_program(monkeypatch: pytest.MonkeyPatch, batch: int, ctx: int, keys: int) -> None:
+    """Programs that stream 2K keys or more take the long shape (128 keys, 2 stages), the rest 64 keys / 3 stages: on
+    an H200 at B=64 / 2K (2 splits of ~1K keys) the short one, at B=256 / 2K (one split) and B=250 / 16K the long."""
+    from trace_lightning.kernels import kv as kv_kernels
+
+    monkeypatch.setattr(kv_kernels, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kv_kernels, "ATTN_BLOCK_S", 64)
+    monkeypatch.setattr(kv_kernels, "ATTN_PROGRAMS_PER_SM", 4)
+    monkeypatch.setattr(kv_kernels, "ATTN_LONG_SHAPE", (128, 2, 2))
+    S = ctx + 1
+    splits = kv_kernels.attention_splits(batch * 4, S, 64, torch.device("cuda"))
+    split_len = math.ceil(math.ceil(S / splits) / 64) * 64
+    assert kv_kernels.attention_shape(split_len)[0] == keys
+    monkeypatch.setattr(kv_kernels, "ATTN_LONG_SHAPE", None)  # TRACE_LIGHTNING_ATTN_SHAPE set: one shape
+    assert kv_kernels.attention_shape(split_len)[0] == 64
