@@ -231,6 +231,15 @@ def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) ->
 # block_k keeps moe_config's / block_k_for's choice.
 GATE_UP_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
 DOWN_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
+# Register caps (ptxas .maxnreg; None: the compiler's choice): fewer registers, more programs per SM. sm_90 SASS,
+# default shapes: gate/up 115 -> 96 registers without spills (4 -> 5 programs of 4 warps per SM), down 95 -> 80
+# with one spill pair in the K loop (5 -> 6); tools/sweep_moe.py times them.
+GATE_UP_MAXNREG: int | None = None
+DOWN_MAXNREG: int | None = None
+
+
+def _cap(maxnreg: int | None) -> dict:
+    return {} if maxnreg is None else {"maxnreg": maxnreg}
 
 
 def block_k_for(block_m: int) -> int:
@@ -265,7 +274,8 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args, D % TUNED_K_UNIT == 0, block_m)
     else:
         _GATE_UP[0][(blocks, triton.cdiv(I, bn or block_n))](*args, D % bk == 0, block_m, bn or block_n, bk,
-                                                             num_warps=warps, num_stages=stages)
+                                                             num_warps=warps, num_stages=stages,
+                                                             **_cap(GATE_UP_MAXNREG))
     q = quantize_nvfp4_rows(h.view(N, k, I)) if quantize_intermediate else None
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
@@ -279,5 +289,5 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     else:
         bn = bn or moe_config(P, E, D, dev)[1]
         _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, I % bk == 0, block_m, bn, bk, num_warps=warps,
-                                               num_stages=stages)
+                                               num_stages=stages, **_cap(DOWN_MAXNREG))
     return sum_partials(y.view(N, k, D), 1, x.dtype), q

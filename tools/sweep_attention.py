@@ -20,7 +20,9 @@ from trace_lightning import kernels
 SHAPES = ((64, 2048), (256, 2048), (250, 16896))  # (batch, context)
 # (swap, keys, warps, stages, programs per SM): the keys-on-M form (the default) over its shapes, and the q-side form's
 # former default as the reference
-VARIANTS = [(True, *v) for v in itertools.product((32, 64, 128), (2, 4), (2, 3), (4, 6, 8))] + [(False, 64, 2, 3, 4)]
+VARIANTS = ([(True, *v) for v in itertools.product((32, 64, 128), (2, 4), (2, 3), (4, 6, 8))]
+            + [(True, *v) for v in itertools.product((32, 64), (1,), (2, 3), (8, 12, 16))]  # one warp: no cross-warp
+            + [(False, 64, 2, 3, 4)])  # softmax reductions, more programs
 
 
 def main() -> None:
