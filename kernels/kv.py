@@ -189,13 +189,13 @@ _ATTN = tuned(_attn_split_kernel, [
 
 
 # Decode-attention launch shape (keys per iteration, warps, pipeline stages, programs per SM for the split count).
-# tools/sweep_attention.py on an H200, keys-on-M form, 36 shapes: 64 keys / 2 warps / 3 stages / 4 per SM is the best
-# at B=64 / 2K context (63 us); programs streaming 2K keys or more (B=256 / 2K: one split; B=250 / 16K) do better
-# with 128 keys and 2 stages (220 -> 212 us, 1629 -> 1497 us), so those take ATTN_LONG_SHAPE. Setting
-# TRACE_LIGHTNING_ATTN_SHAPE (keys,warps,stages,per-SM) fixes one shape for every size.
+# tools/sweep_attention.py on an H200, keys-on-M form, 48 shapes: 64 keys / 2 warps / 3 stages / 4 per SM is the best
+# at B=64 / 2K context (62 us); programs streaming 2K keys or more (B=256 / 2K: one split; B=250 / 16K) do better
+# with one warp of 32 keys and 3 stages (220 -> 199 us, 1629 -> 1425 us: no cross-warp step in the softmax
+# reductions), so those take ATTN_LONG_SHAPE. TRACE_LIGHTNING_ATTN_SHAPE (keys,warps,stages,per-SM) fixes one shape.
 ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES, ATTN_PROGRAMS_PER_SM = (
     int(v) for v in os.environ.get("TRACE_LIGHTNING_ATTN_SHAPE", "64,2,3,4").split(","))
-ATTN_LONG_SHAPE: tuple[int, int, int] | None = None if "TRACE_LIGHTNING_ATTN_SHAPE" in os.environ else (128, 2, 2)
+ATTN_LONG_SHAPE: tuple[int, int, int] | None = None if "TRACE_LIGHTNING_ATTN_SHAPE" in os.environ else (32, 1, 3)
 ATTN_LONG_KEYS = 2048  # keys per program from which ATTN_LONG_SHAPE is used
 # Keys on the MMA's M side: scores^T = K q^T and out^T = V^T p^T (TRACE_LIGHTNING_ATTN_SWAP=0 for q K^T, p V). The
 # dequantized key tile is then the register A operand and the G query heads of a kv head are the N side, which

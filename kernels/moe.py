@@ -225,26 +225,24 @@ def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) ->
 
 
 # K tiles: with 16-row tiles 128 measured best for both GEMMs (tools/sweep_moe.py on an H200, permute_k loads:
-# gate/up 263 -> 251 us per MoE call at N = 64); wider tiles take 64 (down at 128 is 128 registers with 16 rows but
-# 175 with 32, sm_90 SASS; gate/up 64 was best at N = 256).
+# gate/up 263 -> 251 us per MoE call at N = 64). With 32-row tiles (decode batches of ~256 tokens) gate/up takes
+# 128 too (word layout, cp.async scales: 329 -> 303 us per MoE call at N = 256, 149 registers) and down 64 with
+# 128-wide N tiles (329 -> 313 us); 64-row tiles (prefill) keep 64 / moe_config's N tile (unmeasured; 128 would
+# be 203 / 223 registers, sm_90 SASS).
 # Launch shapes tools/sweep_moe.py varies, per GEMM: (block_n, block_k, warps, stages); None for block_n /
-# block_k keeps moe_config's / block_k_for's choice.
+# block_k keeps moe_config's / block_k_for's / down_block_n's choice.
 GATE_UP_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
 DOWN_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
-# Register caps (ptxas .maxnreg; None: the compiler's choice): fewer registers, more programs per SM. sm_90 SASS,
-# default shapes: gate/up 115 -> 96 registers without spills (4 -> 5 programs of 4 warps per SM), down 95 -> 80
-# with one spill pair in the K loop (5 -> 6); tools/sweep_moe.py times them.
-GATE_UP_MAXNREG: int | None = None
-DOWN_MAXNREG: int | None = None
 
 
-def _cap(maxnreg: int | None) -> dict:
-    return {} if maxnreg is None else {"maxnreg": maxnreg}
+def block_k_for(block_m: int, gate_up: bool = False) -> int:
+    """K tile of gate/up or down for tiles of block_m pair rows (see above)."""
+    return 128 if block_m <= (32 if gate_up else 16) else 64
 
 
-def block_k_for(block_m: int) -> int:
-    """K tile of both MoE GEMMs for tiles of block_m pair rows (see above)."""
-    return 128 if block_m <= 16 else 64
+def down_block_n(pairs: int, experts: int, dim: int, block_m: int, device: torch.device) -> int:
+    """N tile of the down GEMM (see above)."""
+    return 128 if block_m == 32 else moe_config(pairs, experts, dim, device)[1]
 
 
 def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Tensor,
@@ -269,13 +267,12 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
             g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, words13)
     bn, bk, warps, stages = GATE_UP_LAUNCH
-    bk = bk or block_k_for(block_m)
+    bk = bk or block_k_for(block_m, gate_up=True)
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args, D % TUNED_K_UNIT == 0, block_m)
     else:
         _GATE_UP[0][(blocks, triton.cdiv(I, bn or block_n))](*args, D % bk == 0, block_m, bn or block_n, bk,
-                                                             num_warps=warps, num_stages=stages,
-                                                             **_cap(GATE_UP_MAXNREG))
+                                                             num_warps=warps, num_stages=stages)
     q = quantize_nvfp4_rows(h.view(N, k, I)) if quantize_intermediate else None
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
@@ -287,7 +284,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args, I % TUNED_K_UNIT == 0, block_m)
     else:
-        bn = bn or moe_config(P, E, D, dev)[1]
+        bn = bn or down_block_n(P, E, D, block_m, dev)
         _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, I % bk == 0, block_m, bn, bk, num_warps=warps,
-                                               num_stages=stages, **_cap(DOWN_MAXNREG))
+                                               num_stages=stages)
     return sum_partials(y.view(N, k, D), 1, x.dtype), q

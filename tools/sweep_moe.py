@@ -21,7 +21,6 @@ from trace_lightning.quant import tensor_global_scale
 BATCHES = (16, 64, 256)
 GATE_UP = [*itertools.product((32, 64, 128), (64, 128), (4, 8), (3,)), (64, 64, 4, 2), (64, 64, 4, 4)]
 DOWN = [*itertools.product((32, 64, 128), (4, 8), (3,)), (64, 4, 2), (64, 4, 4)]
-CAPS = {"gate_up": (104, 96, 88), "down": (88, 80, 72)}  # kernels/moe.py's *_MAXNREG
 
 
 def main() -> None:
@@ -52,14 +51,7 @@ def main() -> None:
                 except Exception as err:  # noqa: BLE001  (a shape that does not compile is a result too)
                     print(f"# N={N} {name} {v}: {type(err).__name__}", file=sys.stderr)
             moe_kernels.GATE_UP_LAUNCH, moe_kernels.DOWN_LAUNCH = defaults
-            for cap in CAPS[name]:  # the default shape under register caps
-                setattr(moe_kernels, f"{name.upper()}_MAXNREG", cap)
-                try:
-                    results.append((graph_ms(call) * 1e3, f"default, maxnreg {cap}"))
-                except Exception as err:  # noqa: BLE001
-                    print(f"# N={N} {name} maxnreg {cap}: {type(err).__name__}", file=sys.stderr)
-                setattr(moe_kernels, f"{name.upper()}_MAXNREG", None)
-            results.sort(key=lambda r: r[0])
+            results.sort()
             best = "; ".join(f"{us:.0f} us {v}" for us, v in results[:4])
             print(f"N={N} {name}: default {base:.0f} us; best {best}", flush=True)
         block_m = moe_kernels.moe_config(N * k, E, I, x.device)[0]

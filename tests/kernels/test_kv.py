@@ -41,13 +41,17 @@ def test_kv_append_bytes_match_sim(device: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("form", ["keys_on_m", "keys_on_m_long_shape", "q_side"])
 def test_attention_matches_sim(monkeypatch: pytest.MonkeyPatch, device: str, dtype: torch.dtype, splits: int | None,
-                               swap: bool) -> None:
-    """Both MMA forms (keys on the M side, the default, or query heads on it) against the sim."""
+                               form: str) -> None:
+    """Both MMA forms (keys on the M side, the default, or query heads on it) against the sim, the first also with
+    the long-stream launch shape (one warp) at every length."""
     from trace_lightning.kernels import kv as kv_kernels
 
-    monkeypatch.setattr(kv_kernels, "ATTN_SWAP", swap)
+    monkeypatch.setattr(kv_kernels, "ATTN_SWAP", form != "q_side")
+    if form == "keys_on_m_long_shape":
+        monkeypatch.setattr(kv_kernels, "ATTN_LONG_SHAPE", (32, 1, 3))
+        monkeypatch.setattr(kv_kernels, "ATTN_LONG_KEYS", 0)
     gen = torch.Generator().manual_seed(1)
     B, Hq, Hkv, S, Dh, T = 2, 8, 2, 150, 64, 2
     layer = FP4KVLayer.allocate(B, Hkv, S, Dh, device)
@@ -125,16 +129,16 @@ def test_kv_word_layout_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> No
     assert not sim.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
 
 
-@pytest.mark.parametrize(("batch", "ctx", "keys"), [(64, 2048, 64), (256, 2048, 128), (250, 16896, 128), (1, 2048, 64)])
+@pytest.mark.parametrize(("batch", "ctx", "keys"), [(64, 2048, 64), (256, 2048, 32), (250, 16896, 32), (1, 2048, 64)])
 def test_attention_shape_by_keys_per_program(monkeypatch: pytest.MonkeyPatch, batch: int, ctx: int, keys: int) -> None:
-    """Programs that stream 2K keys or more take the long shape (128 keys, 2 stages), the rest 64 keys / 3 stages: on
+    """Programs that stream 2K keys or more take the long shape (one warp, 32 keys), the rest 64 keys / 2 warps: on
     an H200 at B=64 / 2K (2 splits of ~1K keys) the short one, at B=256 / 2K (one split) and B=250 / 16K the long."""
     from trace_lightning.kernels import kv as kv_kernels
 
     monkeypatch.setattr(kv_kernels, "sm_count", lambda device: 132)
     monkeypatch.setattr(kv_kernels, "ATTN_BLOCK_S", 64)
     monkeypatch.setattr(kv_kernels, "ATTN_PROGRAMS_PER_SM", 4)
-    monkeypatch.setattr(kv_kernels, "ATTN_LONG_SHAPE", (128, 2, 2))
+    monkeypatch.setattr(kv_kernels, "ATTN_LONG_SHAPE", (32, 1, 3))
     S = ctx + 1
     splits = kv_kernels.attention_splits(batch * 4, S, 64, torch.device("cuda"))
     split_len = math.ceil(math.ceil(S / splits) / 64) * 64
