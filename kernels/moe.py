@@ -77,7 +77,9 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.c
         seen += chunk
 
 
-ALIGN_WARPS = 4  # one program does the whole sort; tools/sweep_moe.py times 4 / 8 / 16 warps
+# warps of the one program that does the whole sort (None: by size); tools/sweep_moe.py times 4 / 8 / 16 on an H200:
+# 4 is best up to 64 tokens x 8 pairs (11.4 / 13.9 us at 128 / 512 pairs), 8 at 2048 pairs (47.9 -> 36.1 us)
+ALIGN_WARPS: int | None = None
 ALIGN_CHUNK = 2048  # pairs sorted at a time (decode batches up to 256 tokens x 8 in one chunk)
 ALIGN_SLOTS = 1024  # slots / tiles written at a time
 
@@ -93,7 +95,7 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat, sorted_ids, block_expert, P, experts, blocks, block_m,
                         max(16, min(ALIGN_CHUNK, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(experts)),
-                        ALIGN_SLOTS, num_warps=ALIGN_WARPS)
+                        ALIGN_SLOTS, num_warps=ALIGN_WARPS or (8 if P > 1024 else 4))
     return sorted_ids, block_expert, blocks
 
 

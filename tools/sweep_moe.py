@@ -59,7 +59,7 @@ def main() -> None:
         for warps in (4, 8, 16):
             moe_kernels.ALIGN_WARPS = warps
             align[warps] = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
-        moe_kernels.ALIGN_WARPS = 4
+        moe_kernels.ALIGN_WARPS = None
         print(f"N={N} align_pairs us by warps: " + ", ".join(f"{w}: {us:.1f}" for w, us in align.items()), flush=True)
 
 
