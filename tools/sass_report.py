@@ -18,12 +18,13 @@ from pathlib import Path
 
 import triton
 import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
 from trace_lightning.kernels.kv import _attn_split_kernel
 from trace_lightning.kernels.linear import _linear_kernel
 from trace_lightning.kernels.moe import _down_kernel, _gate_up_kernel
 from trace_lightning.kernels.quantize import _mxfp4_kernel, _nvfp4_kernel
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {"ids_ptr": "*i64", "bexp_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "a_ptr": "*u8", "as_ptr": "*u8",

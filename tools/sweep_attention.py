@@ -1,7 +1,7 @@
 """FP4 decode attention launch-shape sweep (keys per iteration, warps, pipeline stages, programs per SM).
 
 Run: python tools/sweep_attention.py   (CUDA only; graph-replayed median ms, bytes over 4.25 TB/s)
-The default shape is TRACE_LIGHTNING_ATTN_SHAPE (keys,warps,stages,programs-per-SM), see kernels/kv.py.
+The default shape is TRACE_LIGHTNING_ATTN_SHAPE (keys,warps,stages,programs-per-SM), see trace_lightning/kernels/kv.py.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from functools import partial
 import torch
 from _bench import COPY_CEILING, graph_ms
 from bench_rollout import random_fp4_cache
-from trace_lightning.kernels import kv as kv_kernels
 
 from trace_lightning import kernels
+from trace_lightning.kernels import kv as kv_kernels
 
 SHAPES = ((64, 2048), (256, 2048), (250, 16896))  # (batch, context)
 # (swap, keys, warps, stages, programs per SM): the keys-on-M form (the default) over its shapes, one-warp shapes

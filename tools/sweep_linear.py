@@ -11,9 +11,9 @@ from functools import partial
 
 import torch
 from _bench import graph_ms
-from trace_lightning.kernels.linear import linear, linear_config
 
 from trace_lightning import kernels
+from trace_lightning.kernels.linear import linear, linear_config
 from trace_lightning.quant import tensor_global_scale
 
 VARIANTS = list(itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8)))

@@ -2,7 +2,7 @@
 
 Run: python tools/sweep_moe.py   (CUDA only; graph-replayed median us of the whole fp4_moe call at decode sizes)
 Each GEMM is varied with the other at its default (they run one after the other, so their times add);
-the defaults are kernels/moe.py's GATE_UP_LAUNCH and DOWN_LAUNCH.
+the defaults are trace_lightning/kernels/moe.py's GATE_UP_LAUNCH and DOWN_LAUNCH.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from functools import partial
 
 import torch
 from _bench import graph_ms
-from trace_lightning.kernels import moe as moe_kernels
 
 from trace_lightning import kernels
+from trace_lightning.kernels import moe as moe_kernels
 from trace_lightning.quant import tensor_global_scale
 
 BATCHES = (16, 64, 256)

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from trace_lightning.kernels.kv import kv_attention
 
 from trace_lightning import kernels, sim
+from trace_lightning.kernels.kv import kv_attention
 from trace_lightning.ops import FP4KVLayer
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter

@@ -4,12 +4,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from trace_lightning.kernels._fp4 import _permute_pairs, permute_k
-from trace_lightning.kernels.linear import linear
-from trace_lightning.sim.testing import quantize_weight
 
 from trace_lightning import kernels, sim
+from trace_lightning.kernels._fp4 import _permute_pairs, permute_k
+from trace_lightning.kernels.linear import linear
 from trace_lightning.quant import quantize_nvfp4
+from trace_lightning.sim.testing import quantize_weight
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+
+from trace_lightning import kernels, sim
 from trace_lightning.kernels import moe as moe_kernels
 from trace_lightning.kernels.moe import align_pairs
 from trace_lightning.sim.testing import quantize_weight, random_routing
-
-from trace_lightning import kernels, sim
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from trace_lightning.kernels._fp4 import encode_e2m1
 
 from trace_lightning import kernels, sim
+from trace_lightning.kernels._fp4 import encode_e2m1
 from trace_lightning.quant import BlockFP4
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter

@@ -77,9 +77,8 @@ def test_word_layout_errors_and_canonical_view() -> None:
 
 def test_sim_ops_read_word_layout_weights_in_stored_order() -> None:
     """A word-layout weight handed to the sim (e.g. by a caller mixing backends) gives the stored-order result."""
-    from trace_lightning.sim.testing import quantize_weight
-
     from trace_lightning import sim
+    from trace_lightning.sim.testing import quantize_weight
 
     gen = torch.Generator().manual_seed(4)
     q = quantize_weight(torch.randn(24, 64, generator=gen))

@@ -4,8 +4,8 @@ from typing import Any
 
 import pytest
 import torch
-import trace_lightning.sim as sim
 
+import trace_lightning.sim as sim
 from trace_lightning.model import QuantHook, Transformer
 from trace_lightning.quant import NVFP4, BlockFP4, FP4Format
 from trace_lightning.rollout import (

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from trace_lightning.sim.testing import quantize_weight
 
 from trace_lightning import sim
 from trace_lightning.quant import quantize_nvfp4
+from trace_lightning.sim.testing import quantize_weight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

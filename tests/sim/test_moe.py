@@ -3,10 +3,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from trace_lightning.sim.testing import expert_slice, quantize_weight, random_routing
 
 from trace_lightning import sim
 from trace_lightning.quant import quantize_nvfp4, row_global_scale
+from trace_lightning.sim.testing import expert_slice, quantize_weight, random_routing
 
 
 def loop_reference(x, w13, w2, ids, weights, quantize_h):  # noqa: ANN001, ANN201

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from trace_lightning.sim.quantize import quantize_nvfp4_rows
 
 from trace_lightning.ops import FP4KVLayer
 from trace_lightning.quant import NVFP4
 from trace_lightning.quant.words import to_word_layout
+from trace_lightning.sim.quantize import quantize_nvfp4_rows
 
 
 def check_kv_args(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> None:

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
 from trace_lightning.kernels._common import (
     GEMM_TILES,
     TUNED_K_UNIT,
@@ -30,9 +31,8 @@ from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, load_s
 from trace_lightning.kernels.layout import readable_weight
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows
 from trace_lightning.kernels.reduce import sum_partials
-from trace_lightning.sim._weights import global_strides
-
 from trace_lightning.quant import NVFP4
+from trace_lightning.sim._weights import global_strides
 
 
 @triton.jit

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from trace_lightning.sim._weights import dequantize_weight
 
 from trace_lightning.quant import NVFP4
+from trace_lightning.sim._weights import dequantize_weight
 
 
 def fp4_linear(

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
 from trace_lightning.kernels._common import sm_count
 from trace_lightning.kernels._fp4 import (
     abs_bits_max,
@@ -21,7 +22,6 @@ from trace_lightning.kernels._fp4 import (
     pack_codes,
     unpack_codes,
 )
-
 from trace_lightning.quant import MXFP4, NVFP4
 from trace_lightning.quant.mxfp4 import check_mx_mode
 from trace_lightning.quant.nvfp4 import _check_global_scale

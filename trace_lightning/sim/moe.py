@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from trace_lightning.sim._weights import dequantize_weight
-from trace_lightning.sim.quantize import quantize_nvfp4_rows
 
 from trace_lightning.quant import NVFP4
+from trace_lightning.sim._weights import dequantize_weight
+from trace_lightning.sim.quantize import quantize_nvfp4_rows
 
 
 def check_moe_args(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Tensor) -> tuple[int, int, int]:

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
 from trace_lightning.kernels._common import (
     autotune_on,
     dot_precision,
@@ -29,7 +30,6 @@ from trace_lightning.kernels._common import (
 )
 from trace_lightning.kernels._fp4 import abs_bits_max, dequant_tile, load_packed, load_scales, to_word_layout, unscale
 from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_bits
-
 from trace_lightning.quant import NVFP4
 
 if TYPE_CHECKING:

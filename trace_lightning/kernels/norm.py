@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
 from trace_lightning.kernels._common import TL_DTYPES
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from torch import Tensor
-from trace_lightning.sim.norm import rms_norm
 
 from trace_lightning.model.model import apply_rope
+from trace_lightning.sim.norm import rms_norm
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, norm_weight: Tensor | None = None, eps: float = 0.0) -> Tensor:

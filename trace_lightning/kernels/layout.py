@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import torch
-from trace_lightning.kernels._common import fast_dequant
 
+from trace_lightning.kernels._common import fast_dequant
 from trace_lightning.quant import NVFP4
 from trace_lightning.quant.words import WordNVFP4, canonical, to_word_layout
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
 from trace_lightning.kernels._common import TL_DTYPES
 from trace_lightning.kernels.norm import _round_to, weighted_norm
 
