@@ -11,7 +11,8 @@ import triton.language as tl
 
 from trace_lightning import kernels, sim
 from trace_lightning.kernels._fp4 import encode_e2m1
-from trace_lightning.quant import BlockFP4
+from trace_lightning.kernels.quantize import quantize_nvfp4_rows_operand
+from trace_lightning.quant import NVFP4, BlockFP4
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter
 
@@ -48,6 +49,14 @@ def special_rows(block: int) -> torch.Tensor:
         rows.append(r)
     rows.append(torch.zeros(2 * block))
     return torch.stack(rows)
+
+
+def every_scale_byte_blocks() -> torch.Tensor:
+    """(127, 16) blocks, block i's amax / 6 the i-th non-negative finite E4M3 value, each holding every tie."""
+    finite = E4M3_VALUES[torch.isfinite(E4M3_VALUES) & (E4M3_VALUES >= 0)]  # 127 values incl. subnormals
+    blocks = (torch.tensor(TIES) / 6.0)[None, :] * 6.0 * finite[:, None]  # amax = 6 * value
+    blocks[:, 1::2] *= -1
+    return blocks
 
 
 @triton.jit
@@ -90,10 +99,7 @@ def test_nvfp4_random_bytes(device: str, dtype: torch.dtype, shape: tuple[int, .
 
 def test_nvfp4_every_scale_byte_and_tie(device: str) -> None:
     """Blocks whose amax / 6 is each E4M3 value, holding every tie point; with and without a global scale."""
-    finite = E4M3_VALUES[torch.isfinite(E4M3_VALUES) & (E4M3_VALUES >= 0)]  # 127 values incl. subnormals
-    ties = torch.tensor(TIES)
-    blocks = (ties / 6.0)[None, :] * 6.0 * finite[:, None]  # (127, 16): amax = 6 * value
-    blocks[:, 1::2] *= -1
+    blocks = every_scale_byte_blocks()
     x = blocks.reshape(-1, 64) if blocks.numel() % 64 == 0 else blocks.reshape(-1, 16)
     x = x.to(device)
     assert_same(kernels.quantize_nvfp4(x), sim.quantize_nvfp4(x))
@@ -163,3 +169,22 @@ def test_fake_quantize_rows_value_and_record(device: str, dtype: torch.dtype) ->
         assert torch.equal(dq, dq_ref)  # same op order; (the CPU interpreter's bf16 cast is not RNE)
     else:
         torch.testing.assert_close(dq, dq_ref, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rows_operand_is_code_times_block_scale(device: str, dtype: torch.dtype) -> None:
+    """The GEMM operand is exactly code * block scale (the quant reference's dequantize with the global left
+    out), in dtype with no rounding; the bytes and globals are quantize_nvfp4_rows's. One-pass and chunked rows,
+    ties, specials (a NaN scale byte gives NaN), every normal scale byte (one row of all the E4M3 blocks, whose
+    global is 1)."""
+    gen = torch.Generator().manual_seed(12)
+    wide = torch.randn(3, 5, 64, generator=gen) * torch.exp2(torch.randint(-30, 30, (3, 5, 1), generator=gen))
+    chunked = torch.randn(2, 8448, generator=gen) * 100
+    for x in (wide, wide.bfloat16(), special_rows(16), chunked, every_scale_byte_blocks().reshape(1, -1)):
+        x = x.to(device)
+        q, operand = quantize_nvfp4_rows_operand(x, dtype)
+        assert_same(q, kernels.quantize_nvfp4_rows(x))
+        assert_same(q, sim.quantize_nvfp4_rows(x))
+        expected = NVFP4(packed=q.packed, scales=q.scales, global_scale=None).dequantize()
+        assert operand.dtype == dtype and operand.shape == x.shape
+        torch.testing.assert_close(operand.float(), expected, rtol=0, atol=0, equal_nan=True)

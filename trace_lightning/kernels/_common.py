@@ -12,15 +12,20 @@ from torch import Tensor
 TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def mma_dtype(dtype: torch.dtype, device: torch.device):  # noqa: ANN201 (a triton dtype)
-    """Triton dtype of the MMA operands for activations of this dtype (float32 stays exact: IEEE dot).
+def mma_torch_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """torch dtype of the MMA operands for activations of this dtype (float32 stays exact: IEEE dot).
 
     Under the CPU interpreter bf16/fp16 dots are wrong (it multiplies raw bits), so there the operands go
     in as float32: they are exact in bf16 anyway (weights are code * scale), so the products are the same.
     """
     if dtype not in TL_DTYPES:
         raise ValueError(f"activations must be bfloat16, float16 or float32, got {dtype}")
-    return TL_DTYPES[dtype] if device.type == "cuda" else tl.float32
+    return dtype if device.type == "cuda" else torch.float32
+
+
+def mma_dtype(dtype: torch.dtype, device: torch.device):  # noqa: ANN201 (a triton dtype)
+    """mma_torch_dtype as the Triton dtype the kernels take."""
+    return TL_DTYPES[mma_torch_dtype(dtype, device)]
 
 
 def dot_precision(dtype: torch.dtype, device: torch.device) -> str:

@@ -27,6 +27,11 @@ from trace_lightning.quant.mxfp4 import check_mx_mode
 from trace_lightning.quant.nvfp4 import _check_global_scale
 
 GLOBAL_NONE, GLOBAL_GIVEN, GLOBAL_ROW = 0, 1, 2
+# What the NVFP4 kernel writes beside the bytes: nothing, the fake-quant value code * (scale * global) in x's dtype
+# (NVFP4.dequantize's order), or a GEMM operand code * scale with the global left for the caller's epilogue.
+DEQUANT_NONE = tl.constexpr(0)
+DEQUANT_WITH_GLOBAL = tl.constexpr(1)
+DEQUANT_NO_GLOBAL = tl.constexpr(2)
 # torch on CUDA divides a tensor by a Python scalar as a multiply by the float32 reciprocal; on CPU it
 # divides. The reference (trace_lightning.quant) runs on whichever device holds x, so the kernels do the same.
 INV_6 = tl.constexpr(0.1666666716337204)  # float32(1 / 6)
@@ -102,10 +107,12 @@ def _nvfp4_chunk(x, k0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MO
     tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], packed, mask=ok & (half[None, :] < K // 2))
     nb = k0 // 16 + tl.arange(0, NB)
     tl.store(scales_ptr + rows[:, None] * (K // 16) + nb[None, :], byte.to(tl.uint8), mask=ok & (nb[None, :] < K // 16))
-    if DEQUANT:  # NVFP4.dequantize's order: value * (scale * global), then the cast
+    if DEQUANT != DEQUANT_NONE:  # NVFP4.dequantize's order, value * (scale * global), then the cast (exact without)
         cols = k0 + tl.arange(0, BLOCK_K)
         values = e2m1_to_f16_scaled(unpack_codes(packed, BLOCK_R, BLOCK_K)).to(tl.float32) * 16384.0
-        mult = e4m3_to_f32(byte) * g[:, None]
+        mult = e4m3_to_f32(byte)
+        if DEQUANT == DEQUANT_WITH_GLOBAL:
+            mult = mult * g[:, None]
         dq = tl.reshape(tl.reshape(values, (BLOCK_R, NB, 16)) * mult[:, :, None], (BLOCK_R, BLOCK_K))
         tl.store(dq_ptr + rows[:, None] * K + cols[None, :], dq.to(dq_ptr.dtype.element_ty),
                  mask=ok & (cols[None, :] < K))
@@ -212,15 +219,18 @@ def _launch_shape(R: int, K: int, device: torch.device) -> tuple[int, int, int]:
     return block_r, block_k, max(4, block_r * block_k // 1024)
 
 
-def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
+           dequant: tl.constexpr = DEQUANT_WITH_GLOBAL) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed, scales, row globals) of x; with dq given, also the `dequant` values into dq (x's shape)."""
     x2 = _rows_view(x, 16)
     R, K = x2.shape
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 16, dtype=torch.uint8, device=x.device)
     g_rows = torch.empty(R, dtype=torch.float32, device=x.device) if g is None else g
     block_r, block_k, warps = _launch_shape(R, K, x.device)
+    dequant = DEQUANT_NONE if dq is None else dequant
     _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, packed, scales, packed if dq is None else dq, R, K, mode,
-                                              dq is not None, x.device.type == "cuda", block_k >= K, block_r,
+                                              dequant.value, x.device.type == "cuda", block_k >= K, block_r,
                                               block_k, num_warps=warps)
     lead = tuple(x.shape[:-1])
     return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
@@ -246,6 +256,18 @@ def fake_quantize_nvfp4_rows(x: Tensor) -> tuple[Tensor, NVFP4]:
     dq = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     packed, scales, g = _nvfp4(x, None, GLOBAL_ROW, dq)
     return dq, NVFP4(packed=packed, scales=scales, global_scale=g.view(*x.shape[:-1], 1))
+
+
+def quantize_nvfp4_rows_operand(x: Tensor, dtype: torch.dtype) -> tuple[NVFP4, Tensor]:
+    """(quantize_nvfp4_rows(x), code * block scale in dtype) from one pass: the record and a GEMM operand.
+
+    A GEMM consuming the NVFP4 then loads the operand as a plain tile instead of decoding bytes in its K loop
+    (in every one of its column programs), and multiplies the row global into its float32 accumulator. The
+    operand is exact in bf16 / fp16: an E2M1 code (<= 2 significant bits) times an E4M3 scale (<= 4), within
+    [2^-10, 2688]; so the GEMM's products are those of the dequantize-in-the-loop form."""
+    operand = torch.empty(x.shape, dtype=dtype, device=x.device)
+    packed, scales, g = _nvfp4(x, None, GLOBAL_ROW, operand, DEQUANT_NO_GLOBAL)
+    return NVFP4(packed=packed, scales=scales, global_scale=g.view(*x.shape[:-1], 1)), operand
 
 
 def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
