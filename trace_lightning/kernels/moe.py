@@ -4,8 +4,10 @@ Pairs are grouped by expert into tiles of BLOCK_M rows (each expert's run padded
 BLOCK_M, vLLM-style), entirely with device ops, so there is no host sync and the step can be captured in
 a CUDA graph. A tile reads only its expert's packed weights, so untouched experts cost nothing. The
 `moe_down` activation is quantized per pair row (its row global needs the whole row, hence a separate
-launch between the two GEMMs) and the down GEMM dequantizes it in registers; per-row globals of both
-operands are applied to the float32 accumulator. Slots are summed by a deterministic reduction.
+launch between the two GEMMs), which also writes it as the down GEMM's operand, code * block scale (exact in
+bf16), so the GEMM loads it as a plain tile instead of decoding bytes in each of its D / BLOCK_N column
+programs; per-row globals of both operands are applied to the float32 accumulator. Slots are summed by a
+deterministic reduction.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from trace_lightning.kernels._common import (
     dot_precision,
     fast_dequant,
     mma_dtype,
+    mma_torch_dtype,
     scale_bytes,
     sm_count,
     swap_ab,
@@ -29,7 +32,7 @@ from trace_lightning.kernels._common import (
 )
 from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, load_scales, permute_k, unscale
 from trace_lightning.kernels.layout import readable_weight
-from trace_lightning.kernels.quantize import quantize_nvfp4_rows
+from trace_lightning.kernels.quantize import quantize_nvfp4_rows_operand
 from trace_lightning.kernels.reduce import sum_partials
 from trace_lightning.quant import NVFP4
 from trace_lightning.sim._weights import global_strides
@@ -163,8 +166,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
 
 
 @triton.jit
-def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D,
-                 I,
+def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D, I,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
                  FAST: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -181,14 +183,9 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
     k_end = tl.where(live, I, 0)
     for k0 in range(0, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        if QUANT_A:
-            a = dequant_tile_kperm(  # K in permute_k order on both sides
-                load_packed(a_ptr, safe, I // 2, k0, valid, BLOCK_K, False),
-                load_scales(as_ptr, safe, I // 16, k0, valid, BLOCK_K, EVEN_K), BLOCK_M, BLOCK_K, DTYPE, FAST)
-        else:
-            a_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < I)
-            a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=a_mask, other=0.0).to(DTYPE),
-                          BLOCK_M, BLOCK_K)
+        a_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < I)
+        a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=a_mask, other=0.0).to(DTYPE),
+                      BLOCK_M, BLOCK_K)  # K in permute_k order on both sides
         w = dequant_tile_kperm(load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS),
                                load_scales(s_ptr, w_rows, I // 16, k0, nmask, BLOCK_K, EVEN_K),
                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
@@ -197,8 +194,8 @@ def _down_kernel(a_ptr, as_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr,
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     row_scale = tl.load(tw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
-    if QUANT_A:
-        row_scale = unscale(tl.load(ag_ptr + safe, mask=valid, other=0.0), FAST) * row_scale
+    if QUANT_A:  # A is code * block scale (no 2^-7, unlike the weight): only its row global is left to apply
+        row_scale = tl.load(ag_ptr + safe, mask=valid, other=0.0) * row_scale
     g_w = unscale(tl.load(g_ptr + e * g_se + rn * g_sn, mask=nmask, other=0.0), FAST)
     if SWAP:
         y = acc * g_w[:, None] * row_scale[None, :]
@@ -275,10 +272,13 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     else:
         _GATE_UP[0][(blocks, triton.cdiv(I, bn or block_n))](*args, D % bk == 0, block_m, bn or block_n, bk,
                                                              num_warps=warps, num_stages=stages)
-    q = quantize_nvfp4_rows(h.view(N, k, I)) if quantize_intermediate else None
+    if quantize_intermediate:  # A = code * block scale in the MMA dtype, its row global for the epilogue
+        q, a = quantize_nvfp4_rows_operand(h.view(N, k, I), mma_torch_dtype(x.dtype, dev))
+        a_global = q.global_scale
+    else:
+        q, a, a_global = None, h, h  # a_global unread (QUANT_A off)
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
-    a = (q.packed, scale_bytes(q.scales), q.global_scale) if q is not None else (h, h, h)
-    args = (*a, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
+    args = (a, a_global, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
             q is not None, dt, prec, swap_ab(), fast, words2)
     bn, bk, warps, stages = DOWN_LAUNCH
