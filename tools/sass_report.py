@@ -27,7 +27,7 @@ from trace_lightning.kernels.moe import _down_kernel, _gate_up_kernel
 from trace_lightning.kernels.quantize import _mxfp4_kernel, _nvfp4_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
-PTR = {"ids_ptr": "*i64", "bexp_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "a_ptr": "*u8", "as_ptr": "*u8",
+PTR = {"ids_ptr": "*i64", "bexp_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "a_ptr": "*bf16",
        "g_ptr": "*fp32", "ag_ptr": "*fp32", "tw_ptr": "*bf16", "h_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32",
        "x_ptr": "*bf16", "q_ptr": "*bf16", "pos_ptr": "*i64", "kp": "*u8", "ks": "*u8", "kg": "*fp32", "vp": "*u8",
        "vs": "*u8", "vg": "*fp32", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32",
@@ -55,9 +55,12 @@ def sass_of(fn, consts: dict, warps: int, stages: int, out: Path, tag: str) -> d
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sass = subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     (out / f"{tag}.sass").write_text(sass)
+    usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
     ops = collections.Counter(op.split(".")[0] for _, op in instructions(sass))
     loop = loop_ops(sass)
-    return {"tag": tag, "shared": k.metadata.shared, "total": sum(ops.values()), "loop": sum(loop.values()),
+    return {"tag": tag, "regs": int(regs.group(1)) if regs else None, "shared": k.metadata.shared,
+            "total": sum(ops.values()), "loop": sum(loop.values()),
             "loop_LDG": loop["LDG"], "loop_LDGSTS": loop["LDGSTS"],  # synchronous / cp.async global loads
             "LDL": ops["LDL"], "STL": ops["STL"],
             "HGMMA": ops["HGMMA"], "HMMA": ops["HMMA"], "LDG": ops["LDG"], "IMAD": ops["IMAD"], "LOP3": ops["LOP3"],
@@ -92,6 +95,8 @@ CASES = {
     # the quantizers at the benchmark's shape (K = 8192: one row per program, one pass; run with --warps 8)
     "nvfp4_rows": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
                                    "BLOCK_K": 8192}),
+    "nvfp4_rows_operand": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 2, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
+                                           "BLOCK_K": 8192}),  # + the moe_down GEMM operand (bf16)
     "mxfp4_floor": (_mxfp4_kernel, {"RCEIL": 0, "RECIP": 1, "BLOCK_R": 1, "BLOCK_K": 8192}),
 }
 
