@@ -24,7 +24,7 @@ NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path_factory.mktemp("sass")
-    run = subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--cases", "gate_up", "linear",
+    run = subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--cases", "gate_up", "down", "linear",
                           "--set", "WORDS=1", "EVEN_K=1"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [ast.literal_eval(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -33,7 +33,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 @pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
                     reason="triton's bundled ptxas / cuobjdump are needed to compile for sm_90")
-@pytest.mark.parametrize("case", ["gate_up", "linear"])
+@pytest.mark.parametrize("case", ["gate_up", "down", "linear"])
 def test_weight_gemm_k_loops_load_only_through_cp_async(reports: dict[str, dict], case: str) -> None:
     report = reports[case]
     assert report["loop_LDG"] == 0, report  # weights, scales and activations all arrive by cp.async
