@@ -84,12 +84,12 @@ def loop_ops(sass: str) -> collections.Counter:
 
 
 CASES = {
-    "gate_up": (_gate_up_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0, "EVEN_K": 1,
-                                  "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+    "gate_up": (_gate_up_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0, "TILED": 0,
+                                  "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "down": (_down_kernel, {"QUANT_A": 1, "DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0,
-                            "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+                            "TILED": 0, "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "linear": (_linear_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0,
-                                "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
+                                "TILED": 0, "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "attention": (_attn_split_kernel, {"G": 8, "DH": 128, "BLOCK_G": 8, "BLOCK_S": 64, "DTYPE": tl.bfloat16,
                                        "PREC": "tf32", "FAST": 1, "WORDS": 1, "SWAP": 1}),
     # the quantizers at the benchmark's shape (K = 8192: one row per program, one pass; run with --warps 8)

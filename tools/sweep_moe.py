@@ -19,7 +19,7 @@ from trace_lightning.kernels import moe as moe_kernels
 from trace_lightning.quant import tensor_global_scale
 
 BATCHES = (16, 64, 256)
-GATE_UP = [*itertools.product((32, 64, 128), (64, 128), (4, 8), (3,)), (64, 64, 4, 2), (64, 64, 4, 4)]
+GATE_UP = [*itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3,)), (64, 64, 4, 2), (64, 64, 4, 4)]
 DOWN = [*itertools.product((32, 64, 128), (4, 8), (3,)), (64, 4, 2), (64, 4, 4)]
 
 

@@ -52,18 +52,19 @@ def test_fp4_linear_both_operand_orders(device: str, swap: str, monkeypatch: pyt
     assert rel_err(linear(x, w, torch.float32, split_k=2), ref) < 1e-5
 
 
-@pytest.mark.parametrize("words", [False, True])
+@pytest.mark.parametrize("layout", ["stored", "words", "tiles"])
 @pytest.mark.parametrize("fast", ["0", "1"])
-def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, words: bool,
+def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, layout: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Identity activations pull each dequantized weight out of the GEMM unchanged (one product per output, fp32
     accumulation), so the kernel's dequantization must equal code * scale * global bit for bit: all 256 packed
     bytes, every finite non-negative E4M3 scale byte (subnormals and zero included), bf16 operands (the packed
     bf16x2 PTX path on CUDA; TRACE_LIGHTNING_FAST_DEQUANT=0 and the interpreter take the portable one), with
-    the weight in stored order or in the kernels' word layout (its own PTX decoder on CUDA)."""
+    the weight in stored order, in the kernels' word layout (its own PTX decoder on CUDA) or also in their tiles
+    (read in tiles by every path; M = 64 takes half a tile per K step)."""
     monkeypatch.setenv("TRACE_LIGHTNING_FAST_DEQUANT", fast)
     from trace_lightning.quant import NVFP4, decode_e2m1, unpack_fp4
-    from trace_lightning.quant.words import WordNVFP4, to_word_layout
+    from trace_lightning.quant.words import WordNVFP4
 
     N, K = 128, 256
     gen = torch.Generator().manual_seed(5)
@@ -72,14 +73,16 @@ def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, w
     scale_bytes = torch.arange(N * K // 16).remainder(127).reshape(N, K // 16).to(torch.uint8)  # 0x00..0x7E
     g = torch.rand(N, 1, generator=gen) * 3 + 0.01
     w = NVFP4(packed.to(device), scale_bytes.view(torch.float8_e4m3fn).to(device), g.to(device))
-    if words:
-        w = WordNVFP4(to_word_layout(w.packed), w.scales, w.global_scale)
+    if layout != "stored":
+        w = WordNVFP4.from_stored(w, tiled=layout == "tiles")
     codes = decode_e2m1(unpack_fp4(packed)).unflatten(-1, (-1, 16))
     expected = ((codes * scale_bytes.view(torch.float8_e4m3fn).float().unsqueeze(-1)).flatten(-2) * g).T  # [K, N]
     eye = torch.eye(K, dtype=torch.bfloat16, device=device)
     for m0 in range(0, K, 64):  # M <= 64: the swapped (decode) operand order
         out = kernels.fp4_linear(eye[m0:m0 + 64], w, out_dtype=torch.float32)
         torch.testing.assert_close(out.cpu(), expected[m0:m0 + 64], rtol=0, atol=0)
+    out = kernels.fp4_linear(eye[:16], w, out_dtype=torch.float32)  # M = 16: 128-wide K steps (whole tiles)
+    torch.testing.assert_close(out.cpu(), expected[:16], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dim", [0, 1])

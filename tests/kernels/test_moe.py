@@ -123,20 +123,20 @@ def test_fp4_moe_both_operand_orders(device: str, swap: str, monkeypatch: pytest
     assert (q.codes() == q_ref.codes()).float().mean() > 0.99
 
 
-def test_fp4_moe_word_layout_weights_give_identical_results(device: str) -> None:
-    """Weights in the kernels' word layout (their own PTX decoder on CUDA, converted back under the interpreter)
-    give the same bits as the stored order: same codes times the same scales, same sums."""
-    from trace_lightning.kernels.layout import WordNVFP4, prepare_weight, to_word_layout
+@pytest.mark.parametrize("tiled", [False, True])
+def test_fp4_moe_word_layout_weights_give_identical_results(device: str, tiled: bool) -> None:
+    """Weights in the kernels' word layout, and in their tiles (their own PTX decoder on CUDA, converted back to
+    stored bits but kept in tiles under the interpreter) give the same bits as the stored order: same codes times
+    the same scales, same sums."""
+    from trace_lightning.kernels.layout import prepare_weight
+    from trace_lightning.quant.words import WordNVFP4
 
-    x, w13, w2, ids, weights = problem(24, 64, 48, 6, 2, device, seed=11)
+    x, w13, w2, ids, weights = problem(24, 128, 128, 6, 2, device, seed=11)
     x = x.to(torch.bfloat16)
-
-    def words(q):  # noqa: ANN001, ANN202
-        return WordNVFP4(to_word_layout(q.packed), q.scales, q.global_scale)
-
     out, q = kernels.fp4_moe(x, w13, w2, ids, weights)
-    out_w, q_w = kernels.fp4_moe(x, words(w13), words(w2), ids, weights)
+    out_w, q_w = kernels.fp4_moe(x, WordNVFP4.from_stored(w13, tiled), WordNVFP4.from_stored(w2, tiled), ids, weights)
     assert torch.equal(out_w, out) and torch.equal(q_w.packed, q.packed)
     prepared = prepare_weight(w13, torch.bfloat16)
     assert isinstance(prepared, WordNVFP4) == (device == "cuda")
+    assert not isinstance(prepared, WordNVFP4) or prepared.tiled  # [6, 256, 128]: whole tiles
     assert torch.equal(prepared.codes(), w13.codes())

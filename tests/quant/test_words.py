@@ -7,7 +7,17 @@ import pytest
 import torch
 
 from trace_lightning.quant import NVFP4, unpack_fp4
-from trace_lightning.quant.words import WordNVFP4, canonical, from_word_layout, to_word_layout, word_bit_map
+from trace_lightning.quant.words import (
+    TILE_ROWS,
+    WordNVFP4,
+    canonical,
+    from_tiles,
+    from_word_layout,
+    tileable,
+    to_tiles,
+    to_word_layout,
+    word_bit_map,
+)
 
 
 def _rotr(x: np.ndarray, n: int) -> np.ndarray:
@@ -85,3 +95,36 @@ def test_sim_ops_read_word_layout_weights_in_stored_order() -> None:
     w = WordNVFP4(to_word_layout(q.packed), q.scales, q.global_scale)
     x = torch.randn(5, 64, generator=gen)
     assert torch.equal(sim.fp4_linear(x, w), sim.fp4_linear(x, q))
+
+
+def test_tiles_put_each_block_in_one_contiguous_run() -> None:
+    t = torch.arange(2 * 64 * 128, dtype=torch.int32).reshape(2, 64, 128)
+    tiles = to_tiles(t, 64)
+    assert tiles.shape == t.shape and torch.equal(from_tiles(tiles, 64), t)
+    flat = tiles.reshape(2, -1)
+    block = TILE_ROWS * 64  # tile (expert e, row tile r, column tile c) is run (r * 2 + c) of expert e's matrix
+    for e, r, c in ((0, 0, 0), (0, 0, 1), (1, 1, 0), (1, 1, 1)):
+        run = flat[e, (r * 2 + c) * block:(r * 2 + c + 1) * block]
+        assert torch.equal(run, t[e, r * TILE_ROWS:(r + 1) * TILE_ROWS, c * 64:(c + 1) * 64].reshape(-1))
+    with pytest.raises(ValueError, match=r"\[32, 64\] tiles .* got \(2, 48, 128\)"):
+        to_tiles(torch.zeros(2, 48, 128), 64)
+
+
+def test_tiled_word_weight_reads_back_exactly() -> None:
+    """Tiles (packed bytes and scales) and word bits undo exactly: codes, scale bytes, dequantized values, and the
+    sim's GEMM on it are the stored order's; shapes that do not split into tiles are refused."""
+    from trace_lightning import sim
+    from trace_lightning.sim.testing import quantize_weight
+
+    gen = torch.Generator().manual_seed(6)
+    q = quantize_weight(torch.randn(96, 256, generator=gen))
+    assert tileable(q.packed) and not tileable(q.packed[:, :32]) and not tileable(q.packed[:48])
+    w = WordNVFP4.from_stored(q, tiled=True)
+    assert w.tiled and w.shape == q.shape and not torch.equal(w.scale_bytes(), w.scales.view(torch.uint8))
+    c = canonical(w)
+    assert torch.equal(c.packed, q.packed) and torch.equal(c.scale_bytes(), q.scale_bytes())
+    assert torch.equal(w.scale_bytes(), q.scale_bytes()) and torch.equal(w.dequantize(), q.dequantize())
+    x = torch.randn(5, 256, generator=gen)
+    assert torch.equal(sim.fp4_linear(x, w), sim.fp4_linear(x, q))
+    with pytest.raises(ValueError, match="tiles"):
+        WordNVFP4.from_stored(NVFP4(q.packed[:48], q.scales[:48], q.global_scale), tiled=True)

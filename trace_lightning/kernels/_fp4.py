@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from trace_lightning.quant.words import TILE_BYTES, TILE_ROWS
+
 
 @triton.jit
 def abs_bits_max(x, axis: tl.constexpr):
@@ -226,18 +228,37 @@ def unscale(x, FAST: tl.constexpr):
         return x
 
 
+_TILE_ROWS = tl.constexpr(TILE_ROWS)
+_TILE_BYTES = tl.constexpr(TILE_BYTES)
+
+
 @triton.jit
-def load_packed(ptr, rows, row_bytes, k0, rmask, COLS: tl.constexpr, WORDS: tl.constexpr):
+def tile_offsets(rows, cols, row_units, TILED: tl.constexpr, TILE_COLS: tl.constexpr):
+    """Offsets of [rows, cols] in a matrix of row_units units a row: row-major, or (TILED) in tiles of _TILE_ROWS x
+    TILE_COLS units, each contiguous and row-major (trace_lightning/quant/words.py). Tiles never straddle the
+    matrices of a stack (their rows are a multiple of _TILE_ROWS), so rows may count across them."""
+    if TILED:
+        TILE: tl.constexpr = _TILE_ROWS * TILE_COLS
+        row_part = rows // _TILE_ROWS * (row_units // TILE_COLS * TILE) + rows % _TILE_ROWS * TILE_COLS
+        return row_part[:, None] + (cols // TILE_COLS * TILE + cols % TILE_COLS)[None, :]
+    else:
+        return rows[:, None] * row_units + cols[None, :]
+
+
+@triton.jit
+def load_packed(ptr, rows, row_bytes, k0, rmask, COLS: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr = False):
     """The packed tile of a K tile starting at column k0: uint8 [len(rows), COLS // 2] of rows (row_bytes bytes
-    each), or with WORDS int32 [len(rows), COLS // 8] words (row_bytes divisible by 4: layout.prepare_weight)."""
+    each), or with WORDS int32 [len(rows), COLS // 8] words (row_bytes divisible by 4: layout.prepare_weight);
+    TILED: the matrix is in the kernels' tiles."""
     if WORDS:
         wk = k0 // 8 + tl.arange(0, COLS // 8)
-        return tl.load(ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (row_bytes // 4) + wk[None, :],
-                       mask=rmask[:, None] & (wk[None, :] < row_bytes // 4), other=0)
+        offs = tile_offsets(rows, wk, row_bytes // 4, TILED, _TILE_BYTES // 4)
+        return tl.load(ptr.to(tl.pointer_type(tl.int32)) + offs, mask=rmask[:, None] & (wk[None, :] < row_bytes // 4),
+                       other=0)
     else:
         hk = k0 // 2 + tl.arange(0, COLS // 2)
-        return tl.load(ptr + rows[:, None] * row_bytes + hk[None, :], mask=rmask[:, None] & (hk[None, :] < row_bytes),
-                       other=0)
+        return tl.load(ptr + tile_offsets(rows, hk, row_bytes, TILED, _TILE_BYTES),
+                       mask=rmask[:, None] & (hk[None, :] < row_bytes), other=0)
 
 
 @triton.jit
@@ -267,8 +288,10 @@ def to_word_layout(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def load_scales(ptr, rows, row_blocks, k0, rmask, COLS: tl.constexpr, EVEN_K: tl.constexpr):
-    """Block-scale bytes uint8 [len(rows), COLS // 16] of the K tile at column k0 (zero past the row's end).
+def load_scales(ptr, rows, row_blocks, k0, rmask, COLS: tl.constexpr, EVEN_K: tl.constexpr,
+                TILED: tl.constexpr = False):
+    """Block-scale bytes uint8 [len(rows), COLS // 16] of the K tile at column k0 (zero past the row's end);
+    TILED: the scales are in the kernels' tiles.
 
     EVEN_K (the K extent and k0 are multiples of COLS): no column mask, and offsets written so that Triton
     sees their alignment, so a row's COLS // 16 bytes are one vector load, which Triton pipelines through
@@ -281,4 +304,4 @@ def load_scales(ptr, rows, row_blocks, k0, rmask, COLS: tl.constexpr, EVEN_K: tl
     else:
         sk = k0 // 16 + tl.arange(0, COLS // 16)
         mask = rmask[:, None] & (sk[None, :] < row_blocks)
-    return tl.load(ptr + rows[:, None] * row_blocks + sk[None, :], mask=mask, other=0)
+    return tl.load(ptr + tile_offsets(rows, sk, row_blocks, TILED, _TILE_BYTES // 8), mask=mask, other=0)

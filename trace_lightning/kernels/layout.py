@@ -1,4 +1,4 @@
-"""Where the Triton kernels read NVFP4 in their word layout (trace_lightning/quant/words.py)."""
+"""Where the Triton kernels read NVFP4 in their word layout and tiles (trace_lightning/quant/words.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from trace_lightning.kernels._common import fast_dequant
 from trace_lightning.quant import NVFP4
-from trace_lightning.quant.words import WordNVFP4, canonical, to_word_layout
+from trace_lightning.quant.words import WordNVFP4, from_word_layout, tileable
 
 
 def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: bool = False) -> bool:
@@ -24,15 +24,18 @@ def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: b
 
 def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
     """The weight as the Triton GEMMs read it fastest: the word layout where the packed bf16x2 decoder runs
-    (CUDA, bf16 compute, last dim divisible by 4 bytes), q unchanged elsewhere."""
+    (CUDA, bf16 compute, last dim divisible by 4 bytes), in tiles where its shape splits into them; q unchanged
+    elsewhere."""
     if type(q) is not NVFP4 or not prefers_word_layout(compute_dtype, q.packed.device) or q.packed.shape[-1] % 4:
         return q
-    return WordNVFP4(to_word_layout(q.packed), q.scales, q.global_scale)
+    return WordNVFP4.from_stored(q, tiled=tileable(q.packed))
 
 
-def readable_weight(q: NVFP4, fast: bool) -> tuple[NVFP4, bool]:
-    """(weight, in word layout) for a GEMM launch: a word-layout weight goes to the kernel as it is where the
-    fast decoder runs and is converted back (exact) where it does not."""
-    if fast and isinstance(q, WordNVFP4):
-        return q, True
-    return canonical(q), False
+def readable_weight(q: NVFP4, fast: bool) -> tuple[NVFP4, bool, bool]:
+    """(weight, in word layout, in tiles) for a GEMM launch: a word-layout weight goes to the kernel as it is where
+    the fast decoder runs; elsewhere its bits go back to the stored order (exact) and its tiles stay."""
+    if not isinstance(q, WordNVFP4):
+        return q, False, False
+    if fast:
+        return q, True, q.tiled
+    return NVFP4(from_word_layout(q.packed), q.scales, q.global_scale), False, q.tiled

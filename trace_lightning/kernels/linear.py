@@ -37,8 +37,8 @@ from trace_lightning.sim._weights import global_strides
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
-                   WORDS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,8 +51,8 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
         rk = k0 + tl.arange(0, BLOCK_K)
         x_mask = (rm[:, None] < M) if EVEN_K else (rm[:, None] < M) & (rk[None, :] < K)
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=x_mask, other=0.0)
-        w = dequant_tile_kperm(load_packed(w_ptr, rn, K // 2, k0, rn < N, BLOCK_K, WORDS),
-                               load_scales(s_ptr, rn, K // 16, k0, rn < N, BLOCK_K, EVEN_K),
+        w = dequant_tile_kperm(load_packed(w_ptr, rn, K // 2, k0, rn < N, BLOCK_K, WORDS, TILED),
+                               load_scales(s_ptr, rn, K // 16, k0, rn < N, BLOCK_K, EVEN_K, TILED),
                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)  # K in permute_k order on both sides
         x = permute_k(x.to(DTYPE), BLOCK_M, BLOCK_K)
         if SWAP:
@@ -106,13 +106,13 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
     split = triton.cdiv(K, k_split)
     out_dtype = out_dtype or x.dtype
     fast = fast_dequant(x.dtype, x.device)
-    w, words = readable_weight(w, fast)
+    w, words, tiled = readable_weight(w, fast)
     g, (g_sn,) = global_strides(w)
     out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else out_dtype,
                       device=x.device)
     args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), g, g_sn, out,
             M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64,
-            fast, words, K % k_split == 0, bm)  # even: no split's K range runs past K
+            fast, words, tiled, K % k_split == 0, bm)  # even: no split's K range runs past K
     if tune:
         _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args)
     else:

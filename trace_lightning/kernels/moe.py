@@ -116,8 +116,8 @@ def _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h_ptr, P, TOPK, E, D, I,
                     DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
-                    WORDS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
     tok = tl.where(valid, rows // TOPK, 0)
@@ -137,15 +137,15 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
         x_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < D)
         x = permute_k(tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=x_mask, other=0.0).to(DTYPE), BLOCK_M,
                       BLOCK_K)  # K in permute_k order on both sides
-        wg = dequant_tile_kperm(load_packed(w_ptr, gate_rows, D // 2, k0, nmask, BLOCK_K, WORDS),
-                                load_scales(s_ptr, gate_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K),
+        wg = dequant_tile_kperm(load_packed(w_ptr, gate_rows, D // 2, k0, nmask, BLOCK_K, WORDS, TILED),
+                                load_scales(s_ptr, gate_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
                                 BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
-        wu = dequant_tile_kperm(load_packed(w_ptr, up_rows, D // 2, k0, nmask, BLOCK_K, WORDS),
-                                load_scales(s_ptr, up_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K),
+        wu = dequant_tile_kperm(load_packed(w_ptr, up_rows, D // 2, k0, nmask, BLOCK_K, WORDS, TILED),
+                                load_scales(s_ptr, up_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
                                 BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
@@ -168,7 +168,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
 @triton.jit
 def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D, I,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
-                 FAST: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr,
+                 FAST: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
@@ -186,8 +186,8 @@ def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, 
         a_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < I)
         a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=a_mask, other=0.0).to(DTYPE),
                       BLOCK_M, BLOCK_K)  # K in permute_k order on both sides
-        w = dequant_tile_kperm(load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS),
-                               load_scales(s_ptr, w_rows, I // 16, k0, nmask, BLOCK_K, EVEN_K),
+        w = dequant_tile_kperm(load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS, TILED),
+                               load_scales(s_ptr, w_rows, I // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
@@ -255,8 +255,8 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     P = N * k
     dev = x.device
     dt, prec, fast = mma_dtype(x.dtype, dev), dot_precision(x.dtype, dev), fast_dequant(x.dtype, dev)
-    w13, words13 = readable_weight(w13, fast)
-    w2, words2 = readable_weight(w2, fast)
+    w13, words13, tiled13 = readable_weight(w13, fast)
+    w2, words2, tiled2 = readable_weight(w2, fast)
     block_m, block_n = moe_config(P, E, I, dev)
     sorted_ids, block_expert, blocks = align_pairs(topk_ids.to(torch.int64), E, block_m)
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
@@ -264,7 +264,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     g13, g13_strides = global_strides(w13)
     g2, g2_strides = global_strides(w2)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
-            g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, words13)
+            g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, words13, tiled13)
     bn, bk, warps, stages = GATE_UP_LAUNCH
     bk = bk or block_k_for(block_m, gate_up=True)
     if tune:
@@ -280,7 +280,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     args = (a, a_global, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
-            q is not None, dt, prec, swap_ab(), fast, words2)
+            q is not None, dt, prec, swap_ab(), fast, words2, tiled2)
     bn, bk, warps, stages = DOWN_LAUNCH
     bk = bk or block_k_for(block_m)
     if tune:

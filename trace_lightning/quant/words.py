@@ -13,6 +13,13 @@ and c[2i + 1]; the decoder's pair i is the bf16x2 (c[2i], c[2i + 1]). `_WORD_BIT
 word's bit that holds bit b of code c[2i + h] (b = 3: the sign). Pair 0 is ``K & M``, pair 1
 ``rotr(K, 4) & M``, pair 2 ``rotr(K, 10) & M`` (M = 0x81C081C0: bf16 bits 6-8 and 15 of both halves),
 pair 3 ``(rotl(K, 2) & 0x00400040) | (rotl(K, 10) & 0x81808180)``.
+
+Tiles: a GEMM program reads, per K step, BLOCK_N rows of 64 packed bytes, which row-major storage scatters at
+one-row strides (K / 2 bytes apart), and 8 scale bytes per row at K / 16 strides. On the H200 the same loop over
+the same bytes ran at 45% of the copy ceiling row-major and 69% with each program's tile one contiguous run
+(tools/probe_layout.py, docs/benchmarks.md v12). So GEMM weights are also held in tiles of TILE_ROWS rows x
+TILE_BYTES packed bytes (128 codes), each tile contiguous and row-major inside, and their scales in tiles of
+TILE_ROWS x TILE_BYTES / 8 bytes: a pure permutation of whole 4-byte words (it commutes with the word bits).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import torch
 from torch import Tensor
 
 from trace_lightning.quant.nvfp4 import NVFP4
+
+TILE_ROWS = 32  # rows per tile: divides every BLOCK_N the GEMMs use (32, 64, 128)
+TILE_BYTES = 64  # packed bytes per tile row (128 codes): the K step of the decode-sized GEMM tiles
 
 _WORD_BITS = (
     ((6, 7, 8, 15), (22, 23, 24, 31)),
@@ -76,19 +86,73 @@ def from_word_layout(packed: Tensor) -> Tensor:
     return _permute_word_bits(packed, False)
 
 
+def tileable(packed: Tensor) -> bool:
+    """Whether packed codes [..., N, K/2] split into whole tiles (N % TILE_ROWS == 0, K/2 % TILE_BYTES == 0)."""
+    return packed.dim() >= 2 and packed.shape[-2] % TILE_ROWS == 0 and packed.shape[-1] % TILE_BYTES == 0
+
+
+def _check_tileable(t: Tensor, cols: int) -> None:
+    if t.dim() < 2 or t.shape[-2] % TILE_ROWS or t.shape[-1] % cols:
+        raise ValueError(f"a tensor [..., N, C] splits into [{TILE_ROWS}, {cols}] tiles only if N % {TILE_ROWS} == 0 "
+                         f"and C % {cols} == 0, got {tuple(t.shape)}")
+
+
+def to_tiles(t: Tensor, cols: int) -> Tensor:
+    """[..., N, C] -> the same shape with every [TILE_ROWS, cols] block contiguous (blocks in row-major order)."""
+    _check_tileable(t, cols)
+    *lead, n, c = t.shape
+    return t.reshape(*lead, n // TILE_ROWS, TILE_ROWS, c // cols, cols).transpose(-3, -2).contiguous().view(t.shape)
+
+
+def from_tiles(t: Tensor, cols: int) -> Tensor:
+    """The inverse of to_tiles."""
+    _check_tileable(t, cols)
+    *lead, n, c = t.shape
+    return t.reshape(*lead, n // TILE_ROWS, c // cols, TILE_ROWS, cols).transpose(-3, -2).contiguous().view(t.shape)
+
+
 @dataclass
 class WordNVFP4(NVFP4):
-    """An NVFP4 weight whose `packed` bytes are in the GEMM kernels' word layout (see module docstring).
+    """An NVFP4 weight whose `packed` bytes are in the GEMM kernels' word layout (see module docstring), and with
+    `tiled` its packed bytes and scales also in the kernels' tiles (to_tiles).
 
-    Only the Triton GEMMs read it; everything that inspects codes (checksums, records, the sim) gets
+    Only the Triton GEMMs read it; everything that inspects codes or scales (checksums, records, the sim) gets
     `canonical()`, which is exact."""
 
+    tiled: bool = False
+
+    @classmethod
+    def from_stored(cls, q: NVFP4, tiled: bool = False) -> WordNVFP4:
+        """q (stored order) in the word layout, and in tiles when `tiled`."""
+        packed, scales = to_word_layout(q.packed), q.scales
+        if tiled:
+            packed = to_tiles(packed, TILE_BYTES)
+            scales = to_tiles(scales.view(torch.uint8), TILE_BYTES // 8).view(q.scales.dtype)
+        return cls(packed, scales, q.global_scale, tiled)
+
+    def untiled(self) -> tuple[Tensor, Tensor]:
+        """(packed bytes still in the word layout, scales), both in row-major order."""
+        if not self.tiled:
+            return self.packed, self.scales
+        scales = from_tiles(self.scales.view(torch.uint8), TILE_BYTES // 8).view(self.scales.dtype)
+        return from_tiles(self.packed, TILE_BYTES), scales
+
     def canonical(self) -> NVFP4:
-        return NVFP4(from_word_layout(self.packed), self.scales, self.global_scale)
+        packed, scales = self.untiled()
+        return NVFP4(from_word_layout(packed), scales, self.global_scale)
 
     def codes(self) -> Tensor:
         """Unpacked codes in stored order (so dequantize and with_codes see the real codes too)."""
         return self.canonical().codes()
+
+    def scale_bytes(self) -> Tensor:
+        return self.canonical().scale_bytes()
+
+    def block_multiplier(self) -> Tensor:
+        return self.canonical().block_multiplier()
+
+    def scale_input(self, blocks: Tensor) -> Tensor:
+        return self.canonical().scale_input(blocks)
 
 
 def canonical(q: NVFP4) -> NVFP4:
