@@ -5,10 +5,13 @@ Gates: fp32 to 1e-6 relative (tl.exp is not torch's expf; the CPU interpreter's 
 bf16 / fp16 to one unit in the last place.
 """
 
+import copy
+
 import pytest
 import torch
 
 from trace_lightning import kernels, sim
+from trace_lightning.model.model import Router
 
 
 def distinct_logits(rows: int, experts: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -102,3 +105,53 @@ def test_route_topk_rejects_bad_arguments(device: str) -> None:
             op(logits.long(), 2, "softmax", True, torch.float32)
         with pytest.raises(ValueError, match="float"):
             op(logits, 2, "softmax", True, torch.int32)
+
+
+def test_router_takes_the_kernel_only_without_replay_or_autograd(device: str) -> None:
+    """The kernel has no backward and no replay: with gradients on, or with routed ids, the router computes with
+    torch ops even when fused is set; without either it takes the kernel and picks the same experts."""
+    from trace_lightning.model import MoEConfig
+
+    torch.manual_seed(0)
+    router = Router(MoEConfig.from_name("debug-moe")).to(device)
+    torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(2, 5, router.config.dim, device=device)
+    with torch.no_grad():
+        want_gates, want_ids = router(x)
+    calls = []
+    router.fused = lambda *args: calls.append(1) or kernels.route_topk(*args)
+    gates, _ = router(x.requires_grad_())
+    gates.sum().backward()
+    with torch.no_grad():
+        router(x, want_ids.flip(-1))
+    assert not calls and x.grad is not None and router.weight.grad is not None
+    with torch.no_grad():
+        gates, ids = router(x)
+    assert calls == [1] and torch.equal(ids, want_ids)
+    torch.testing.assert_close(gates, want_gates, rtol=1e-6, atol=0)
+
+
+def test_engine_routes_through_the_kernel(device: str) -> None:
+    """A bf16 engine on the Triton backend sets every router to kernels.route_topk and samples greedily what the
+    same engine samples with the routers on the model's torch ops (fused norms in both)."""
+    from trace_lightning.model import Transformer
+    from trace_lightning.rollout import Engine, SamplingParams
+
+    torch.manual_seed(0)
+    model = Transformer.from_name("debug-moe", n_layers=2, init_std=0.08).eval().to(device)
+    prompts = [[1, 5, 6, 7], [1, 9, 3]]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    fused = Engine(copy.deepcopy(model), "bf16", backend="triton", cuda_graph=False)
+    plain = Engine(copy.deepcopy(model), "bf16", backend="triton", cuda_graph=False)
+    routers = [m for m in fused.model.modules() if isinstance(m, Router)]
+    assert len(routers) == 2 and all(m.fused is kernels.route_topk for m in routers)
+    calls = []
+    for m in routers:
+        m.fused = lambda *args, f=m.fused: calls.append(1) or f(*args)
+    for m in plain.model.modules():
+        if isinstance(m, Router):
+            m.fused = None
+    a, b = fused.generate(prompts, params), plain.generate(prompts, params)
+    assert len(calls) == len(routers) * 4  # prefill + 3 decode steps
+    assert a.responses == b.responses
+    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0.05)

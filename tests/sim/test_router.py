@@ -26,3 +26,15 @@ def test_route_topk_is_the_routers_torch_path(scoring: str, normalize: bool, dty
     assert gates.dtype == dtype and ids.dtype == torch.int64 and gates.shape == (3, 5, 4)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(gates, want_gates, rtol=0, atol=0)
+
+
+def test_router_with_the_sim_as_its_fused_op_is_unchanged() -> None:
+    """Setting Router.fused to the sim (what the engine does with fused norms on the sim backend) changes nothing."""
+    router = Router(MoEConfig.from_name("debug-moe"))
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(2, 6, router.config.dim)
+        want = router(x)
+        router.fused = sim.route_topk
+        got = router(x)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
