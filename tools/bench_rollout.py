@@ -5,7 +5,8 @@ Run: python tools/bench_rollout.py --layers 8 --batches 1 16 64 256 --ctx 2048
 Random weights (never zeros). BF16 path: torch bf16 matmuls, SDPA over a bf16 cache, torch._grouped_mm
 experts. FP4 path: W4 weights + A4 activations (fake_quantize_nvfp4_rows at attn_in/attn_out/moe_in, the
 fused moe_down) + FP4 KV cache, all through trace_lightning.kernels. Norms, RoPE, router, lm_head stay bf16
-in both; the norms and the q / k norm + RoPE run through the engine's one-launch kernels in both. `--layers`
+in both; the norms, the q / k norm + RoPE and the router's softmax + top-k (after its F.linear) run through the
+engine's one-launch kernels in both (--unfused-rope / --torch-router: the torch ops they replace). `--layers`
 are measured (captured as one CUDA graph per path) and scaled to the model's 48; the lm_head is measured on
 its own and added once. Roofline = (weight bytes touched + KV bytes) / 4.25 TB/s.
 """
@@ -82,6 +83,7 @@ def attn_proj(s: Shape, layer: Layer, qkv: Tensor, cos: Tensor, sin: Tensor) -> 
 
 
 UNFUSED_ROPE = False  # --unfused-rope
+TORCH_ROUTER = False  # --torch-router
 
 
 FIXED_ROUTING = False  # --fixed-routing: every layer routes batch row b to the same random experts, whatever h is
@@ -96,7 +98,10 @@ def route(s: Shape, layer: Layer, h: Tensor) -> tuple[Tensor, Tensor]:
             ids = torch.rand(B, s.experts, device="cuda", generator=gen).topk(s.top_k, dim=-1).indices
             _FIXED[B] = (torch.full(ids.shape, 1.0 / s.top_k, device="cuda", dtype=h.dtype), ids)
         return _FIXED[B]
-    gates, ids = F.linear(h, layer.router).float().softmax(-1).topk(s.top_k, dim=-1)
+    logits = F.linear(h, layer.router)  # (B, E)
+    if not TORCH_ROUTER:  # the engine's router in both paths: one kernel after the GEMV
+        return kernels.route_topk(logits, s.top_k, "softmax", True, h.dtype)
+    gates, ids = logits.float().softmax(-1).topk(s.top_k, dim=-1)  # the model's torch ops (the before)
     return (gates / gates.sum(-1, keepdim=True)).to(h.dtype), ids
 
 
@@ -290,14 +295,17 @@ def main() -> None:
                              "(for experiments that break the numerics)")
     parser.add_argument("--unfused-rope", action="store_true",
                         help="q / k norm + RoPE with the model's torch ops instead of kernels.rope (both paths)")
+    parser.add_argument("--torch-router", action="store_true",
+                        help="router softmax + top-k with the model's torch ops instead of kernels.route_topk (both "
+                             "paths)")
     parser.add_argument("--reserve-gb", type=float, default=8.0, help="memory kept free for activations/workspace")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rollout needs a CUDA device")
     torch.manual_seed(0)
     s = Shape()
-    global FIXED_ROUTING, UNFUSED_ROPE
-    FIXED_ROUTING, UNFUSED_ROPE = args.fixed_routing, args.unfused_rope
+    global FIXED_ROUTING, UNFUSED_ROPE, TORCH_ROUTER
+    FIXED_ROUTING, UNFUSED_ROPE, TORCH_ROUTER = args.fixed_routing, args.unfused_rope, args.torch_router
     layers = [Layer(s) for _ in range(args.layers)]
     head = torch.randn(s.vocab, s.dim, device="cuda", dtype=torch.bfloat16) * 0.02
     if args.long:

@@ -25,15 +25,16 @@ from trace_lightning.kernels.kv import _attn_split_kernel
 from trace_lightning.kernels.linear import _linear_kernel
 from trace_lightning.kernels.moe import _down_kernel, _gate_up_kernel
 from trace_lightning.kernels.quantize import _mxfp4_kernel, _nvfp4_kernel
+from trace_lightning.kernels.router import _route_topk_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {"ids_ptr": "*i64", "bexp_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "a_ptr": "*bf16",
        "g_ptr": "*fp32", "ag_ptr": "*fp32", "tw_ptr": "*bf16", "h_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32",
        "x_ptr": "*bf16", "q_ptr": "*bf16", "pos_ptr": "*i64", "kp": "*u8", "ks": "*u8", "kg": "*fp32", "vp": "*u8",
        "vs": "*u8", "vg": "*fp32", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32",
-       "packed_ptr": "*u8", "scales_ptr": "*u8", "dq_ptr": "*bf16"}
+       "packed_ptr": "*u8", "scales_ptr": "*u8", "dq_ptr": "*bf16", "logits_ptr": "*bf16", "gates_ptr": "*bf16"}
 # int arguments that real launches pass as multiples of 16 (Triton specializes those as divisible by 16)
-DIV16 = {"N", "K", "K_SPLIT", "D", "I", "S", "SPLIT_LEN"}
+DIV16 = {"N", "K", "K_SPLIT", "D", "I", "S", "SPLIT_LEN", "E"}
 
 
 def signature(fn, consts: dict) -> dict:  # noqa: ANN001
@@ -98,6 +99,9 @@ CASES = {
     "nvfp4_rows_operand": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 2, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
                                            "BLOCK_K": 8192}),  # + the moe_down GEMM operand (bf16)
     "mxfp4_floor": (_mxfp4_kernel, {"RCEIL": 0, "RECIP": 1, "BLOCK_R": 1, "BLOCK_K": 8192}),
+    # the router's softmax + top-8 of 128 experts, as route_topk launches it (8 rows a program)
+    "router": (_route_topk_kernel, {"SOFTMAX": 1, "NORMALIZE": 1, "TOP_K": 8, "BLOCK_K": 8, "ROWS": 8,
+                                    "BLOCK_E": 128}),
 }
 
 

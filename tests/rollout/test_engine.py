@@ -158,3 +158,20 @@ def test_bf16_and_fp4_bf16_engines_run(model: Transformer, base_model: Transform
     out = fp4.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0))
     assert all(len(r) == 4 and all(lp <= 0 for lp in lps) for r, lps in zip(out.responses, out.logprobs,
                                                                              strict=True))
+
+
+def test_fused_router_samples_what_the_models_router_samples(model: Transformer, base_model: Transformer) -> None:
+    """fused_norms hands every Router the backend's route_topk (kernels.route_topk on Triton; tests/kernels/
+    test_router.py runs that engine): here the sim's, which is the router's own torch path, so greedy tokens,
+    logprobs and routes come out bit for bit as without it."""
+    from trace_lightning import sim
+    from trace_lightning.model.model import Router
+
+    fused = Engine(model, "bf16", fused_norms=True)
+    plain = Engine(copy.deepcopy(base_model), "bf16")
+    assert all(m.fused is sim.route_topk for m in fused.model.modules() if isinstance(m, Router))
+    assert all(m.fused is None for m in plain.model.modules() if isinstance(m, Router))
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    a, b = fused.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert a.responses == b.responses and a.logprobs == b.logprobs
+    assert all(torch.equal(x, y) for x, y in zip(a.routes, b.routes, strict=True))

@@ -17,6 +17,7 @@ from trace_lightning.kernels.quantize import (
     quantize_nvfp4_rows,
 )
 from trace_lightning.kernels.rope import rope
+from trace_lightning.kernels.router import route_topk
 
 __all__ = [
     "fake_quantize_nvfp4_rows",
@@ -32,4 +33,5 @@ __all__ = [
     "quantize_nvfp4_rows",
     "rms_norm",
     "rope",
+    "route_topk",
 ]

@@ -158,10 +158,16 @@ class Router(nn.Module):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.n_experts, config.dim))
+        self.fused: Callable[[Tensor, int, str, bool, torch.dtype], tuple[Tensor, Tensor]] | None = None
+        """Everything after the logits GEMV in one launch, (logits, top_k, scoring, normalize, out dtype) -> (gates,
+        ids), the same arithmetic, used without replay and without autograd: the rollout engine sets ops.route_topk
+        on GPU."""
 
     def forward(self, x: Tensor, routed: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x (B, T, D), routed (B, T, K) or None -> gate weights (B, T, K) in x's dtype, ids (B, T, K) int64."""
         c = self.config
+        if routed is None and self.fused is not None and not torch.is_grad_enabled():
+            return self.fused(F.linear(x, self.weight), c.top_k, c.router, c.norm_topk_prob, x.dtype)
         logits = F.linear(x, self.weight).float()  # (B, T, E)
         scores = logits.softmax(dim=-1) if c.router == "softmax" else logits.sigmoid()  # (B, T, E)
         if routed is None:

@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from trace_lightning.model.model import Attention, ModelOutput, RMSNorm
+from trace_lightning.model.model import Attention, ModelOutput, RMSNorm, Router
 from trace_lightning.ops import backend_for, is_triton
 from trace_lightning.rollout.batch import CaptureSpec, FinishReason, RolloutBatch, SamplingParams
 from trace_lightning.rollout.cache import FP4KVCache, KVCache
@@ -63,12 +63,14 @@ class Engine:
             for p in model.parameters():
                 p.data = p.data.to(self.compute_dtype)
         self.fused_norms = is_triton(self.ops) if fused_norms is None else fused_norms  # 1 launch per norm, not ~6
-        if self.fused_norms:  # and the q / k head norm + RoPE: one launch per tensor instead of ~6
+        if self.fused_norms:  # and the q / k head norm + RoPE, and the router's top-k: one launch each instead of ~6
             for m in model.modules():
                 if isinstance(m, RMSNorm):
                     m.fused = self.ops.rms_norm
                 elif isinstance(m, Attention):
                     m.fused_rope = self.ops.rope
+                elif isinstance(m, Router):
+                    m.fused = self.ops.route_topk
         self._dense: dict[str, Tensor] = dict(model.state_dict(keep_vars=True))
         self.model = model
 
