@@ -224,24 +224,31 @@ def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) ->
 
 
 # K tiles: with 16-row tiles 128 measured best for both GEMMs (tools/sweep_moe.py on an H200, permute_k loads:
-# gate/up 263 -> 251 us per MoE call at N = 64). With 32-row tiles (decode batches of ~256 tokens) gate/up takes
-# 128 too (word layout, cp.async scales: 329 -> 303 us per MoE call at N = 256, 149 registers) and down 64 with
-# 128-wide N tiles (329 -> 313 us); 64-row tiles (prefill) keep 64 / moe_config's N tile (unmeasured; 128 would
-# be 203 / 223 registers, sm_90 SASS).
+# gate/up 263 -> 251 us per MoE call at N = 64). With 32-row tiles (decode batches of ~256 tokens) and the weights
+# in tiles, gate/up takes 128-wide N tiles and 64-wide K steps (251 -> 243 us per MoE call at N = 256; before the
+# tiles, 128-wide K steps had measured best there) and down 128-wide N tiles; down's 16-row tiles take 128-wide N
+# tiles too where there are enough tiles (N = 16 / 64: 131 / 175 -> 127 / 168 us); 64-row tiles (prefill) keep 64 /
+# moe_config's N tile (unmeasured; 128 would be 203 / 223 registers, sm_90 SASS).
 # Launch shapes tools/sweep_moe.py varies, per GEMM: (block_n, block_k, warps, stages); None for block_n /
-# block_k keeps moe_config's / block_k_for's / down_block_n's choice.
+# block_k keeps the functions below.
 GATE_UP_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
 DOWN_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
 
 
-def block_k_for(block_m: int, gate_up: bool = False) -> int:
-    """K tile of gate/up or down for tiles of block_m pair rows (see above)."""
-    return 128 if block_m <= (32 if gate_up else 16) else 64
+def block_k_for(block_m: int) -> int:
+    """K tile of gate/up and down for tiles of block_m pair rows (see above)."""
+    return 128 if block_m <= 16 else 64
+
+
+def gate_up_block_n(pairs: int, experts: int, inter: int, block_m: int, device: torch.device) -> int:
+    """N tile of the gate/up GEMM (see above)."""
+    return 128 if block_m == 32 else moe_config(pairs, experts, inter, device)[1]
 
 
 def down_block_n(pairs: int, experts: int, dim: int, block_m: int, device: torch.device) -> int:
-    """N tile of the down GEMM (see above)."""
-    return 128 if block_m == 32 else moe_config(pairs, experts, dim, device)[1]
+    """N tile of the down GEMM (see above): 128 for 16- and 32-row tiles unless moe_config narrows it (few tiles)."""
+    default = moe_config(pairs, experts, dim, device)[1]
+    return 128 if block_m <= 32 and default == 64 else default
 
 
 def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Tensor,
@@ -257,7 +264,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     dt, prec, fast = mma_dtype(x.dtype, dev), dot_precision(x.dtype, dev), fast_dequant(x.dtype, dev)
     w13, words13, tiled13 = readable_weight(w13, fast)
     w2, words2, tiled2 = readable_weight(w2, fast)
-    block_m, block_n = moe_config(P, E, I, dev)
+    block_m = moe_config(P, E, I, dev)[0]
     sorted_ids, block_expert, blocks = align_pairs(topk_ids.to(torch.int64), E, block_m)
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
     tune = autotune_on(dev)
@@ -266,12 +273,12 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
             g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, words13, tiled13)
     bn, bk, warps, stages = GATE_UP_LAUNCH
-    bk = bk or block_k_for(block_m, gate_up=True)
+    bn, bk = bn or gate_up_block_n(P, E, I, block_m, dev), bk or block_k_for(block_m)
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args, D % TUNED_K_UNIT == 0, block_m)
     else:
-        _GATE_UP[0][(blocks, triton.cdiv(I, bn or block_n))](*args, D % bk == 0, block_m, bn or block_n, bk,
-                                                             num_warps=warps, num_stages=stages)
+        _GATE_UP[0][(blocks, triton.cdiv(I, bn))](*args, D % bk == 0, block_m, bn, bk, num_warps=warps,
+                                                  num_stages=stages)
     if quantize_intermediate:  # A = code * block scale in the MMA dtype, its row global for the epilogue
         q, a = quantize_nvfp4_rows_operand(h.view(N, k, I), mma_torch_dtype(x.dtype, dev))
         a_global = q.global_scale
