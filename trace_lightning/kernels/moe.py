@@ -219,15 +219,19 @@ def moe_config(pairs: int, experts: int, blocks_n: int, device: torch.device) ->
     """(BLOCK_M, BLOCK_N): BLOCK_M about twice the mean pairs per expert, so a busy expert rarely spills into a
     second tile (each tile dequantizes the expert's weights again); narrower N tiles when there are few tiles."""
     block_m = min(64, max(16, triton.next_power_of_2(max(1, 2 * pairs // experts))))
-    tiles = (triton.cdiv(pairs, block_m) + min(experts, pairs)) * triton.cdiv(blocks_n, 64)
-    return block_m, 32 if tiles < 2 * sm_count(device) else 64
+    return block_m, 64 if fills_chip(pairs, experts, blocks_n, block_m, 64, device) else 32
+
+
+def fills_chip(pairs: int, experts: int, n: int, block_m: int, block_n: int, device: torch.device) -> bool:
+    """Whether (expert tiles, upper bound) x (N tiles of block_n) programs make at least two per SM."""
+    return (triton.cdiv(pairs, block_m) + min(experts, pairs)) * triton.cdiv(n, block_n) >= 2 * sm_count(device)
 
 
 # K tiles: with 16-row tiles 128 measured best for both GEMMs (tools/sweep_moe.py on an H200, permute_k loads:
 # gate/up 263 -> 251 us per MoE call at N = 64). With 32-row tiles (decode batches of ~256 tokens) and the weights
 # in tiles, gate/up takes 128-wide N tiles and 64-wide K steps (251 -> 243 us per MoE call at N = 256; before the
 # tiles, 128-wide K steps had measured best there) and down 128-wide N tiles; down's 16-row tiles take 128-wide N
-# tiles too where there are enough tiles (N = 16 / 64: 131 / 175 -> 127 / 168 us); 64-row tiles (prefill) keep 64 /
+# tiles too while they fill the chip (N = 16 / 64: 131 / 175 -> 127 / 168 us); 64-row tiles (prefill) keep 64 /
 # moe_config's N tile (unmeasured; 128 would be 203 / 223 registers, sm_90 SASS).
 # Launch shapes tools/sweep_moe.py varies, per GEMM: (block_n, block_k, warps, stages); None for block_n /
 # block_k keeps the functions below.
@@ -246,9 +250,9 @@ def gate_up_block_n(pairs: int, experts: int, inter: int, block_m: int, device: 
 
 
 def down_block_n(pairs: int, experts: int, dim: int, block_m: int, device: torch.device) -> int:
-    """N tile of the down GEMM (see above): 128 for 16- and 32-row tiles unless moe_config narrows it (few tiles)."""
-    default = moe_config(pairs, experts, dim, device)[1]
-    return 128 if block_m <= 32 and default == 64 else default
+    """N tile of the down GEMM (see above): 128 for 16- and 32-row tiles while that still fills the chip."""
+    wide = block_m <= 32 and fills_chip(pairs, experts, dim, block_m, 128, device)
+    return 128 if wide else moe_config(pairs, experts, dim, device)[1]
 
 
 def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Tensor,
