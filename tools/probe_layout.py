@@ -4,9 +4,10 @@ Run: python tools/probe_layout.py   (CUDA only)
 The gate/up K loop reads, per program and K tile, 2 x BLOCK_N rows of BLOCK_K / 2 packed bytes (64 bytes at 1 KB
 strides) and BLOCK_K / 16 scale bytes per row (8 bytes at 128-byte strides). This probe runs the same loop
 (`_probe_kernel`: the engine's loads, dequantization and MMA, over all 128 experts at the batch-64 decode grid)
-on the same bytes laid out two ways: as the engine holds them (row-major words) and tiled (each program's
-BLOCK_N x BLOCK_K tile, scales too, one contiguous run), plus both loops with the dequantization and MMA left
-out (loads only), so the four times say whether the access pattern or the arithmetic bounds the kernel.
+on the same bytes laid out three ways: row-major words, each program's BLOCK_N x BLOCK_K tile (scales too) one
+contiguous run, and runs of 32 rows (the engine's tiles, trace_lightning/quant/words.py); and each loop with the
+dequantization and MMA replaced by a quarter-size MMA on barely decoded words (loads only), so the times say
+whether the access pattern or the arithmetic bounds the kernel.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ E, I, D, BLOCK_N, BLOCK_K, TOKENS = 128, 768, 2048, 64, 128, 16
 
 
 @triton.jit
-def _tile_offsets(e, rt, k0, ROWS, COLS, TILED: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """Offsets of the [R, C] tile of matrix e at row tile rt, column k0 (in elements of a [E, ROWS, COLS] array),
-    row-major or with every [R, C] tile contiguous."""
-    r = tl.arange(0, R)[:, None]
+def _tile_offsets(e, rt, k0, ROWS, COLS, TILED: tl.constexpr, R: tl.constexpr, C: tl.constexpr, TILE_R: tl.constexpr):
+    """Offsets of the [R, C] block of matrix e at row block rt, column k0 (in elements of a [E, ROWS, COLS] array),
+    row-major or in contiguous [TILE_R, C] tiles (TILE_R divides R)."""
+    r = rt * R + tl.arange(0, R)[:, None]
     c = tl.arange(0, C)[None, :]
     if TILED:
-        return ((e * (ROWS // R) + rt) * (COLS // C) + k0 // C) * (R * C) + r * C + c
+        return ((e * (ROWS // TILE_R) + r // TILE_R) * (COLS // C) + k0 // C) * (TILE_R * C) + r % TILE_R * C + c
     else:
-        return (e * ROWS + rt * R + r) * COLS + k0 + c
+        return (e * ROWS + r) * COLS + k0 + c
 
 
 @triton.jit
@@ -44,7 +45,7 @@ def _per_word(scales, R: tl.constexpr, NB: tl.constexpr):
 
 @triton.jit
 def _probe_kernel(w_ptr, s_ptr, x_ptr, out_ptr, I, D, TILED: tl.constexpr, MATH: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_R: tl.constexpr):
     e, pn = tl.program_id(0), tl.program_id(1)
     WORDS: tl.constexpr = BLOCK_K // 8
     NB: tl.constexpr = BLOCK_K // 16
@@ -52,10 +53,12 @@ def _probe_kernel(w_ptr, s_ptr, x_ptr, out_ptr, I, D, TILED: tl.constexpr, MATH:
     acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     x_rows = tl.arange(0, BLOCK_M)
     for k0 in range(0, D, BLOCK_K):
-        gw = tl.load(w_ptr + _tile_offsets(e, pn, k0 // 8, 2 * I, D // 8, TILED, BLOCK_N, WORDS))
-        gs = tl.load(s_ptr + _tile_offsets(e, pn, k0 // 16, 2 * I, D // 16, TILED, BLOCK_N, NB))
-        uw = tl.load(w_ptr + _tile_offsets(e, pn + I // BLOCK_N, k0 // 8, 2 * I, D // 8, TILED, BLOCK_N, WORDS))
-        us = tl.load(s_ptr + _tile_offsets(e, pn + I // BLOCK_N, k0 // 16, 2 * I, D // 16, TILED, BLOCK_N, NB))
+        gw = tl.load(w_ptr + _tile_offsets(e, pn, k0 // 8, 2 * I, D // 8, TILED, BLOCK_N, WORDS, TILE_R))
+        gs = tl.load(s_ptr + _tile_offsets(e, pn, k0 // 16, 2 * I, D // 16, TILED, BLOCK_N, NB, TILE_R))
+        uw = tl.load(w_ptr + _tile_offsets(e, pn + I // BLOCK_N, k0 // 8, 2 * I, D // 8, TILED, BLOCK_N, WORDS,
+                                           TILE_R))
+        us = tl.load(s_ptr + _tile_offsets(e, pn + I // BLOCK_N, k0 // 16, 2 * I, D // 16, TILED, BLOCK_N, NB,
+                                           TILE_R))
         if MATH:
             x = permute_k(tl.load(x_ptr + x_rows[:, None] * D + k0 + tl.arange(0, BLOCK_K)[None, :]), BLOCK_M,
                           BLOCK_K)
@@ -87,13 +90,13 @@ def main() -> None:
           f"{TOKENS} token rows, 4 warps, 3 stages")
     print("| layout | loop | us | % of 4.25 TB/s |\n|---|---|---|---|")
     for math in (True, False):
-        for tiled in (False, True):
+        for tiled, tile_r in ((False, BLOCK_N), (True, BLOCK_N), (True, 32)):
             run = partial(_probe_kernel[grid], words, scales, x, out, I, D, tiled, math, TOKENS, BLOCK_N, BLOCK_K,
-                          num_warps=4, num_stages=3)
+                          tile_r, num_warps=4, num_stages=3)
             ms = graph_ms(run)
-            print(f"| {'tiled' if tiled else 'rows'} | {'dequant + MMA' if math else 'loads only'} | "
-                  f"{ms * 1e3:.1f} | {nbytes / (ms * 1e-3) / COPY_CEILING * 100:.1f} |", flush=True)
-
+            layout = f"tiles of {tile_r} rows" if tiled else "rows"
+            print(f"| {layout} | {'dequant + MMA' if math else 'loads only'} | {ms * 1e3:.1f} | "
+                  f"{nbytes / (ms * 1e-3) / COPY_CEILING * 100:.1f} |", flush=True)
 
 if __name__ == "__main__":
     main()
