@@ -246,19 +246,24 @@ def tile_offsets(rows, cols, row_units, TILED: tl.constexpr, TILE_COLS: tl.const
 
 
 @triton.jit
-def load_packed(ptr, rows, row_bytes, k0, rmask, COLS: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr = False):
+def load_packed(ptr, rows, row_bytes, k0, rmask, COLS: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr = False,
+                EVEN_K: tl.constexpr = False):
     """The packed tile of a K tile starting at column k0: uint8 [len(rows), COLS // 2] of rows (row_bytes bytes
     each), or with WORDS int32 [len(rows), COLS // 8] words (row_bytes divisible by 4: layout.prepare_weight);
-    TILED: the matrix is in the kernels' tiles."""
+    TILED: the matrix is in the kernels' tiles.
+
+    EVEN_K (the K extent and k0 are multiples of COLS): no column mask. The mask `column < row end` is constant
+    only over as many columns as Triton can prove row_bytes divisible by, which held the word loads to 8 bytes
+    (sm_90 SASS: LDGSTS.E.64) where the unmasked load is 16 bytes (LDGSTS.E.BYPASS.128)."""
     if WORDS:
         wk = k0 // 8 + tl.arange(0, COLS // 8)
+        mask = rmask[:, None] if EVEN_K else rmask[:, None] & (wk[None, :] < row_bytes // 4)
         offs = tile_offsets(rows, wk, row_bytes // 4, TILED, _TILE_BYTES // 4)
-        return tl.load(ptr.to(tl.pointer_type(tl.int32)) + offs, mask=rmask[:, None] & (wk[None, :] < row_bytes // 4),
-                       other=0)
+        return tl.load(ptr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0)
     else:
         hk = k0 // 2 + tl.arange(0, COLS // 2)
-        return tl.load(ptr + tile_offsets(rows, hk, row_bytes, TILED, _TILE_BYTES),
-                       mask=rmask[:, None] & (hk[None, :] < row_bytes), other=0)
+        mask = rmask[:, None] if EVEN_K else rmask[:, None] & (hk[None, :] < row_bytes)
+        return tl.load(ptr + tile_offsets(rows, hk, row_bytes, TILED, _TILE_BYTES), mask=mask, other=0)
 
 
 @triton.jit

@@ -51,7 +51,7 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
         rk = k0 + tl.arange(0, BLOCK_K)
         x_mask = (rm[:, None] < M) if EVEN_K else (rm[:, None] < M) & (rk[None, :] < K)
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=x_mask, other=0.0)
-        w = dequant_tile_kperm(load_packed(w_ptr, rn, K // 2, k0, rn < N, BLOCK_K, WORDS, TILED),
+        w = dequant_tile_kperm(load_packed(w_ptr, rn, K // 2, k0, rn < N, BLOCK_K, WORDS, TILED, EVEN_K),
                                load_scales(s_ptr, rn, K // 16, k0, rn < N, BLOCK_K, EVEN_K, TILED),
                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)  # K in permute_k order on both sides
         x = permute_k(x.to(DTYPE), BLOCK_M, BLOCK_K)

@@ -137,14 +137,14 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
         x_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < D)
         x = permute_k(tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=x_mask, other=0.0).to(DTYPE), BLOCK_M,
                       BLOCK_K)  # K in permute_k order on both sides
-        wg = dequant_tile_kperm(load_packed(w_ptr, gate_rows, D // 2, k0, nmask, BLOCK_K, WORDS, TILED),
+        wg = dequant_tile_kperm(load_packed(w_ptr, gate_rows, D // 2, k0, nmask, BLOCK_K, WORDS, TILED, EVEN_K),
                                 load_scales(s_ptr, gate_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
                                 BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
             acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
-        wu = dequant_tile_kperm(load_packed(w_ptr, up_rows, D // 2, k0, nmask, BLOCK_K, WORDS, TILED),
+        wu = dequant_tile_kperm(load_packed(w_ptr, up_rows, D // 2, k0, nmask, BLOCK_K, WORDS, TILED, EVEN_K),
                                 load_scales(s_ptr, up_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
                                 BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
@@ -186,7 +186,7 @@ def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, 
         a_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < I)
         a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=a_mask, other=0.0).to(DTYPE),
                       BLOCK_M, BLOCK_K)  # K in permute_k order on both sides
-        w = dequant_tile_kperm(load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS, TILED),
+        w = dequant_tile_kperm(load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS, TILED, EVEN_K),
                                load_scales(s_ptr, w_rows, I // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
         if SWAP:
