@@ -63,6 +63,8 @@ def sass_of(fn, consts: dict, warps: int, stages: int, out: Path, tag: str) -> d
     return {"tag": tag, "regs": int(regs.group(1)) if regs else None, "shared": k.metadata.shared,
             "total": sum(ops.values()), "loop": sum(loop.values()),
             "loop_LDG": loop["LDG"], "loop_LDGSTS": loop["LDGSTS"],  # synchronous / cp.async global loads
+            "loop_LDGSTS_16B": sum(n for op, n in loop_ops(sass, full=True).items()  # 16-byte cp.async
+                                   if op.startswith("LDGSTS") and op.endswith(".128")),
             "LDL": ops["LDL"], "STL": ops["STL"],
             "HGMMA": ops["HGMMA"], "HMMA": ops["HMMA"], "LDG": ops["LDG"], "IMAD": ops["IMAD"], "LOP3": ops["LOP3"],
             "PRMT": ops["PRMT"], "FMUL": ops["FMUL"], "F2FP": ops["F2FP"]}
@@ -73,15 +75,16 @@ def instructions(sass: str) -> list[tuple[int, str]]:
     return [(int(a, 16), op) for a, op in re.findall(pattern, sass)]
 
 
-def loop_ops(sass: str) -> collections.Counter:
-    """Op counts of the longest backward branch's body (the K / key loop)."""
+def loop_ops(sass: str, full: bool = False) -> collections.Counter:
+    """Op counts of the longest backward branch's body (the K / key loop), by op name or (full) with modifiers."""
     jumps = [(int(a, 16), int(t, 16)) for a, t in
              re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", sass)]
     back = [(a, t) for a, t in jumps if t < a]
     if not back:
         return collections.Counter()
     end, start = max(back, key=lambda j: j[0] - j[1])
-    return collections.Counter(op.split(".")[0] for addr, op in instructions(sass) if start <= addr <= end)
+    return collections.Counter(op if full else op.split(".")[0] for addr, op in instructions(sass)
+                               if start <= addr <= end)
 
 
 CASES = {

@@ -20,15 +20,23 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "sass_report.py"
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def sass_reports(out: Path, *settings: str) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path_factory.mktemp("sass")
     run = subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--cases", "gate_up", "down", "linear",
-                          "--set", "WORDS=1", "EVEN_K=1"], capture_output=True, text=True, env=env, timeout=600)
+                          "--set", *settings], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [ast.literal_eval(line) for line in run.stdout.splitlines() if line.startswith("{")]
     return {r["tag"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return sass_reports(tmp_path_factory.mktemp("sass"), "WORDS=1", "EVEN_K=1")
+
+
+@pytest.fixture(scope="module")
+def tiled_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return sass_reports(tmp_path_factory.mktemp("sass_tiled"), "WORDS=1", "TILED=1", "EVEN_K=1")
 
 
 @pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
@@ -39,3 +47,14 @@ def test_weight_gemm_k_loops_load_only_through_cp_async(reports: dict[str, dict]
     assert report["loop_LDG"] == 0, report  # weights, scales and activations all arrive by cp.async
     assert report["loop_LDGSTS"] > 0 and report["HGMMA"] > 0, report  # pipelined loads, Hopper wgmma
     assert report["LDL"] == report["STL"] == 0, report  # no register spills
+
+
+@pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
+                    reason="triton's bundled ptxas / cuobjdump are needed to compile for sm_90")
+@pytest.mark.parametrize("case", ["gate_up", "down", "linear"])
+def test_tiled_weights_arrive_in_16_byte_copies(tiled_reports: dict[str, dict], case: str) -> None:
+    """Weights in tiles on even K steps: every cp.async of the loop but the small scale tiles (4 bytes a thread) is
+    16 bytes wide (the column mask or an unprovable split-K alignment had held the word loads to 8)."""
+    report = tiled_reports[case]
+    scale_copies = 2 if case == "gate_up" else 1  # gate and up scale tiles / one weight's
+    assert report["loop_LDGSTS_16B"] == report["loop_LDGSTS"] - scale_copies, report

@@ -252,9 +252,12 @@ def load_packed(ptr, rows, row_bytes, k0, rmask, COLS: tl.constexpr, WORDS: tl.c
     each), or with WORDS int32 [len(rows), COLS // 8] words (row_bytes divisible by 4: layout.prepare_weight);
     TILED: the matrix is in the kernels' tiles.
 
-    EVEN_K (the K extent and k0 are multiples of COLS): no column mask. The mask `column < row end` is constant
-    only over as many columns as Triton can prove row_bytes divisible by, which held the word loads to 8 bytes
-    (sm_90 SASS: LDGSTS.E.64) where the unmasked load is 16 bytes (LDGSTS.E.BYPASS.128)."""
+    EVEN_K (the K extent and k0 are multiples of COLS): no column mask, and k0 written as a visible multiple of
+    COLS. The mask `column < row end` is constant only over as many columns as Triton can prove row_bytes
+    divisible by, and a split-K start only as aligned as its specialization says, which held the word loads to 8
+    bytes (sm_90 SASS: LDGSTS.E.64) where the unmasked, aligned load is 16 bytes (LDGSTS.E.BYPASS.128)."""
+    if EVEN_K:
+        k0 = k0 // COLS * COLS  # the same value, now visibly a multiple
     if WORDS:
         wk = k0 // 8 + tl.arange(0, COLS // 8)
         mask = rmask[:, None] if EVEN_K else rmask[:, None] & (wk[None, :] < row_bytes // 4)
