@@ -13,6 +13,7 @@ from trace_lightning.rollout import (
     fp4_weight_checksums,
     quantize_weight,
 )
+from trace_lightning.rollout.convert import fp4_checksum
 
 FP4_NAMES = {f"layers.{i}.{n}" for i in range(2)
              for n in ("attn.wqkv.weight", "attn.wo.weight", "moe.experts.w13", "moe.experts.w2")}
@@ -101,23 +102,28 @@ def test_converter_quantizes_like_the_trainers_fake_quant(fmt: str, shape: tuple
     assert torch.equal(ours.dequantize(), fake_quantize(w, weights))
 
 
-def test_fp4_modules_hold_the_backends_layout_and_report_stored_order() -> None:
-    """A backend that holds weights in the kernels' word layout (as the Triton one does on CUDA bf16): the module
-    keeps that layout for its GEMMs, `quantized()` (checksums, records) gives the stored order, outputs agree."""
+@pytest.mark.parametrize("tiled", [False, True])
+def test_fp4_modules_hold_the_backends_layout_and_report_stored_order(tiled: bool) -> None:
+    """A backend that holds weights in the kernels' word layout, and in their tiles (as the Triton one does on CUDA
+    bf16): the module keeps that layout for its GEMMs, `quantized()` (checksums, records) gives the stored order,
+    outputs agree."""
     import types
 
     from trace_lightning import sim
-    from trace_lightning.quant.words import WordNVFP4, to_word_layout
+    from trace_lightning.quant.words import WordNVFP4
 
     def words(q, compute_dtype):  # noqa: ANN001, ANN202
-        return WordNVFP4(to_word_layout(q.packed), q.scales, q.global_scale)
+        return WordNVFP4.from_stored(q, tiled)
 
     ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepare_weight=words)
     gen = torch.Generator().manual_seed(6)
-    w, x = torch.randn(32, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    w, x = torch.randn(32, 128, generator=gen), torch.randn(3, 128, generator=gen)
     fmt = parse_format("nvfp4")
     held = FP4Linear(w, None, layer=0, name="wo", fmt=fmt, ops=ops, compute_dtype=torch.float32)
     plain = FP4Linear(w, None, layer=0, name="wo", fmt=fmt, ops=sim, compute_dtype=torch.float32)
-    assert isinstance(held.q, WordNVFP4) and not isinstance(plain.q, WordNVFP4)
-    assert torch.equal(held.quantized()["weight"].packed, quantize_weight(w, fmt).packed)
+    assert isinstance(held.q, WordNVFP4) and held.q.tiled == tiled and not isinstance(plain.q, WordNVFP4)
+    stored = quantize_weight(w, fmt)
+    assert torch.equal(held.quantized()["weight"].packed, stored.packed)
+    assert torch.equal(held.quantized()["weight"].scale_bytes(), stored.scale_bytes())
+    assert fp4_checksum(held.quantized()["weight"]) == fp4_checksum(stored)
     assert torch.equal(held(x), plain(x))
