@@ -209,6 +209,25 @@ def dequant_tile_kperm(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constex
 
 
 @triton.jit
+def weight_tile_kperm(w_ptr, s_ptr, rows, K, k0, rmask, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr,
+                      FAST: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr):
+    """The GEMMs' weight operand: rows' K step k0 of an NVFP4 matrix of K columns (words / tiles as the weight is
+    held), decoded in registers to code * block scale [ROWS, COLS] in permute_k order (see dequant_tile_kperm)."""
+    return dequant_tile_kperm(load_packed(w_ptr, rows, K // 2, k0, rmask, COLS, WORDS, TILED, EVEN_K),
+                              load_scales(s_ptr, rows, K // 16, k0, rmask, COLS, EVEN_K, TILED),
+                              ROWS, COLS, DTYPE, FAST, WORDS)
+
+
+@triton.jit
+def activation_tile_kperm(ptr, rows, K, k0, rmask, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr,
+                          EVEN_K: tl.constexpr):
+    """The GEMMs' other operand: rows' K step k0 of a row-major [.., K] tensor in DTYPE, in permute_k order."""
+    rk = k0 + tl.arange(0, COLS)
+    mask = rmask[:, None] if EVEN_K else rmask[:, None] & (rk[None, :] < K)
+    return permute_k(tl.load(ptr + rows[:, None] * K + rk[None, :], mask=mask, other=0.0).to(DTYPE), ROWS, COLS)
+
+
+@triton.jit
 def dequant_tile(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, DTYPE: tl.constexpr,
                  FAST: tl.constexpr, WORDS: tl.constexpr = False):
     """code * block scale in DTYPE, times 2^-7 when FAST (bf16 on CUDA): callers pass their float32 result

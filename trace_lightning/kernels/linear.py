@@ -27,7 +27,7 @@ from trace_lightning.kernels._common import (
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, load_scales, permute_k, unscale
+from trace_lightning.kernels._fp4 import activation_tile_kperm, unscale, weight_tile_kperm
 from trace_lightning.kernels.layout import readable_weight
 from trace_lightning.kernels.reduce import sum_partials
 from trace_lightning.quant import NVFP4
@@ -48,13 +48,8 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_lo = pid_k * K_SPLIT
     for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x_mask = (rm[:, None] < M) if EVEN_K else (rm[:, None] < M) & (rk[None, :] < K)
-        x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=x_mask, other=0.0)
-        w = dequant_tile_kperm(load_packed(w_ptr, rn, K // 2, k0, rn < N, BLOCK_K, WORDS, TILED, EVEN_K),
-                               load_scales(s_ptr, rn, K // 16, k0, rn < N, BLOCK_K, EVEN_K, TILED),
-                               BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)  # K in permute_k order on both sides
-        x = permute_k(x.to(DTYPE), BLOCK_M, BLOCK_K)
+        w = weight_tile_kperm(w_ptr, s_ptr, rn, K, k0, rn < N, BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS, TILED, EVEN_K)
+        x = activation_tile_kperm(x_ptr, rm, K, k0, rm < M, BLOCK_M, BLOCK_K, DTYPE, EVEN_K)  # K in permute_k order
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
         else:

@@ -30,7 +30,7 @@ from trace_lightning.kernels._common import (
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import dequant_tile_kperm, load_packed, load_scales, permute_k, unscale
+from trace_lightning.kernels._fp4 import activation_tile_kperm, unscale, weight_tile_kperm
 from trace_lightning.kernels.layout import readable_weight
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows_operand
 from trace_lightning.kernels.reduce import sum_partials
@@ -133,20 +133,15 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_end = tl.where(live, D, 0)
     for k0 in range(0, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < D)
-        x = permute_k(tl.load(x_ptr + tok[:, None] * D + rk[None, :], mask=x_mask, other=0.0).to(DTYPE), BLOCK_M,
-                      BLOCK_K)  # K in permute_k order on both sides
-        wg = dequant_tile_kperm(load_packed(w_ptr, gate_rows, D // 2, k0, nmask, BLOCK_K, WORDS, TILED, EVEN_K),
-                                load_scales(s_ptr, gate_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
-                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
+        x = activation_tile_kperm(x_ptr, tok, D, k0, valid, BLOCK_M, BLOCK_K, DTYPE, EVEN_K)  # K in permute_k order
+        wg = weight_tile_kperm(w_ptr, s_ptr, gate_rows, D, k0, nmask, BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS, TILED,
+                               EVEN_K)
         if SWAP:
             acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
-        wu = dequant_tile_kperm(load_packed(w_ptr, up_rows, D // 2, k0, nmask, BLOCK_K, WORDS, TILED, EVEN_K),
-                                load_scales(s_ptr, up_rows, D // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
-                                BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
+        wu = weight_tile_kperm(w_ptr, s_ptr, up_rows, D, k0, nmask, BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS, TILED,
+                               EVEN_K)
         if SWAP:
             acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
         else:
@@ -182,13 +177,8 @@ def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, 
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_end = tl.where(live, I, 0)
     for k0 in range(0, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        a_mask = valid[:, None] if EVEN_K else valid[:, None] & (rk[None, :] < I)
-        a = permute_k(tl.load(a_ptr + safe[:, None] * I + rk[None, :], mask=a_mask, other=0.0).to(DTYPE),
-                      BLOCK_M, BLOCK_K)  # K in permute_k order on both sides
-        w = dequant_tile_kperm(load_packed(w_ptr, w_rows, I // 2, k0, nmask, BLOCK_K, WORDS, TILED, EVEN_K),
-                               load_scales(s_ptr, w_rows, I // 16, k0, nmask, BLOCK_K, EVEN_K, TILED),
-                               BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS)
+        a = activation_tile_kperm(a_ptr, safe, I, k0, valid, BLOCK_M, BLOCK_K, DTYPE, EVEN_K)  # K in permute_k order
+        w = weight_tile_kperm(w_ptr, s_ptr, w_rows, I, k0, nmask, BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS, TILED, EVEN_K)
         if SWAP:
             acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
         else:
