@@ -21,10 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trace_lightning.kernels._common import TL_DTYPES
 from trace_lightning.kernels.norm import _round_to
-
-SCORINGS = ("softmax", "sigmoid")
+from trace_lightning.sim.router import check_route_args
 
 
 @triton.jit
@@ -75,14 +73,8 @@ def route_topk(logits: Tensor, top_k: int, scoring: str, normalize: bool,
                out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """logits [..., E] -> (gates [..., top_k] in out_dtype, ids [..., top_k] int64), best first: the model's
     Router on these logits without replay (Triton, one launch)."""
+    check_route_args(logits, top_k, scoring, out_dtype)
     E = logits.shape[-1]
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
-    if not 1 <= top_k <= E:
-        raise ValueError(f"top_k must be in 1..{E} (the number of experts), got {top_k}")
-    if logits.dtype not in TL_DTYPES or out_dtype not in TL_DTYPES:
-        raise ValueError(f"route_topk needs float logits and a float out_dtype (bfloat16, float16 or float32), got "
-                         f"{logits.dtype} and {out_dtype}")
     rows = logits.reshape(-1, E)
     if not rows.is_contiguous():
         rows = rows.contiguous()

@@ -151,6 +151,22 @@ class Attention(nn.Module):
         return self.wo(y, hook)
 
 
+def router_scores(logits: Tensor, scoring: str) -> Tensor:
+    """float32 scores of router logits (B, T, E): softmax or sigmoid over the experts."""
+    logits = logits.float()
+    return logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+
+
+def top_k_gates(logits: Tensor, top_k: int, scoring: str, normalize: bool,
+                out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The router without replay on its logits (B, T, E) -> (gates, ids) (B, T, K), best first: the top-k scores,
+    optionally divided by their sum, in out_dtype (the reference of the kernels' route_topk)."""
+    gates, ids = router_scores(logits, scoring).topk(top_k, dim=-1)  # (B, T, K)
+    if normalize:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return gates.to(out_dtype), ids
+
+
 class Router(nn.Module):
     """Top-k router with fp32 scores; with replayed ids the gates are this router's scores at those ids."""
 
@@ -159,24 +175,20 @@ class Router(nn.Module):
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.n_experts, config.dim))
         self.fused: Callable[[Tensor, int, str, bool, torch.dtype], tuple[Tensor, Tensor]] | None = None
-        """Everything after the logits GEMV in one launch, (logits, top_k, scoring, normalize, out dtype) -> (gates,
-        ids), the same arithmetic, used without replay and without autograd: the rollout engine sets ops.route_topk
-        on GPU."""
+        """top_k_gates in one launch, the same arithmetic, used without replay and without autograd: the rollout
+        engine sets ops.route_topk on GPU."""
 
     def forward(self, x: Tensor, routed: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x (B, T, D), routed (B, T, K) or None -> gate weights (B, T, K) in x's dtype, ids (B, T, K) int64."""
         c = self.config
-        if routed is None and self.fused is not None and not torch.is_grad_enabled():
-            return self.fused(F.linear(x, self.weight), c.top_k, c.router, c.norm_topk_prob, x.dtype)
-        logits = F.linear(x, self.weight).float()  # (B, T, E)
-        scores = logits.softmax(dim=-1) if c.router == "softmax" else logits.sigmoid()  # (B, T, E)
+        logits = F.linear(x, self.weight)  # (B, T, E)
         if routed is None:
-            gates, ids = scores.topk(c.top_k, dim=-1)  # (B, T, K)
-        else:
-            if routed.shape != (*x.shape[:-1], c.top_k):
-                raise ValueError(f"routed ids have shape {tuple(routed.shape)}, expected {(*x.shape[:-1], c.top_k)}")
-            ids = routed.to(device=x.device, dtype=torch.long)
-            gates = scores.gather(-1, ids)  # (B, T, K)
+            fused = self.fused is not None and not torch.is_grad_enabled()
+            return (self.fused if fused else top_k_gates)(logits, c.top_k, c.router, c.norm_topk_prob, x.dtype)
+        if routed.shape != (*x.shape[:-1], c.top_k):
+            raise ValueError(f"routed ids have shape {tuple(routed.shape)}, expected {(*x.shape[:-1], c.top_k)}")
+        ids = routed.to(device=x.device, dtype=torch.long)
+        gates = router_scores(logits, c.router).gather(-1, ids)  # (B, T, K)
         if c.norm_topk_prob:
             gates = gates / gates.sum(dim=-1, keepdim=True)
         return gates.to(x.dtype), ids
