@@ -4,7 +4,8 @@
 # check, HF peer baseline and
 # per-kernel profiles of the synthetic step and of the real engine. Logs under $OUT; a short summary on stdout.
 # Usage: bash tools/gpu_full.sh [--quick]   (the MoE / linear launch sweeps are separate: tools/sweep_moe.py, sweep_linear.py)
-# --quick (~6 minutes instead of ~8.5, for short device windows): parity tests, decode step, RoPE before / after,
+# --quick (~6 minutes instead of ~8.5, for short device windows): parity tests, decode step, RoPE and router before /
+# after,
 # long rollouts with the default attention shape, the synthetic step's profile and the engine check only.
 set -uo pipefail
 QUICK=0; [ "${1:-}" = "--quick" ] && QUICK=1
@@ -25,6 +26,8 @@ long() {  # long 16K rollouts, with the sweep's shape when there is one
 timeout 100 python3 bench_rollout.py --layers 8 --batches 1 16 64 256 2>&1 | tee "$OUT/bench_rollout.log" | grep "^| fp4\|^| bf16" | cut -d'|' -f2,3,6,7,8,12,13
 echo "## the same at batch 64 with the q / k norm + RoPE as torch ops (the before of kernels.rope)"
 timeout 60 python3 bench_rollout.py --layers 8 --batches 64 --unfused-rope 2>&1 | grep "^| fp4\|^| bf16" | cut -d'|' -f2,3,6
+echo "## the same at batch 64 with the router's softmax + top-k as torch ops (the before of kernels.route_topk)"
+timeout 60 python3 bench_rollout.py --layers 8 --batches 64 --torch-router 2>&1 | grep "^| fp4\|^| bf16" | cut -d'|' -f2,3,6
 long timeout 120 python3 bench_rollout.py --layers 8 --long 16384 2>&1 \
   | tee "$OUT/bench_long.log" | grep "^| fp4\|^| bf16\|FP4 / BF16"
 if [ $QUICK = 0 ]; then
