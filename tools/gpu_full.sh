@@ -4,9 +4,8 @@
 # check, HF peer baseline and
 # per-kernel profiles of the synthetic step and of the real engine. Logs under $OUT; a short summary on stdout.
 # Usage: bash tools/gpu_full.sh [--quick]   (the MoE / linear launch sweeps are separate: tools/sweep_moe.py, sweep_linear.py)
-# --quick (~6 minutes instead of ~8.5, for short device windows): parity tests, decode step, RoPE and router before /
-# after,
-# long rollouts with the default attention shape, the synthetic step's profile and the engine check only.
+# --quick (~6 minutes instead of ~8.5, for short device windows): parity tests, decode step, RoPE and router
+# before / after, long rollouts with the default attention shape, the synthetic step's profile and the engine check.
 set -uo pipefail
 QUICK=0; [ "${1:-}" = "--quick" ] && QUICK=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
