@@ -283,11 +283,10 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
             scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
             q is not None, dt, prec, swap_ab(), fast, words2, tiled2)
     bn, bk, warps, stages = DOWN_LAUNCH
-    bk = bk or block_k_for(block_m)
+    bn, bk = bn or down_block_n(P, E, D, block_m, dev), bk or block_k_for(block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args, I % TUNED_K_UNIT == 0, block_m)
     else:
-        bn = bn or down_block_n(P, E, D, block_m, dev)
         _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, I % bk == 0, block_m, bn, bk, num_warps=warps,
                                                num_stages=stages)
     return sum_partials(y.view(N, k, D), 1, x.dtype), q

@@ -86,13 +86,17 @@ def from_word_layout(packed: Tensor) -> Tensor:
     return _permute_word_bits(packed, False)
 
 
+def _fits_tiles(t: Tensor, cols: int) -> bool:
+    return t.dim() >= 2 and t.shape[-2] % TILE_ROWS == 0 and t.shape[-1] % cols == 0
+
+
 def tileable(packed: Tensor) -> bool:
     """Whether packed codes [..., N, K/2] split into whole tiles (N % TILE_ROWS == 0, K/2 % TILE_BYTES == 0)."""
-    return packed.dim() >= 2 and packed.shape[-2] % TILE_ROWS == 0 and packed.shape[-1] % TILE_BYTES == 0
+    return _fits_tiles(packed, TILE_BYTES)
 
 
 def _check_tileable(t: Tensor, cols: int) -> None:
-    if t.dim() < 2 or t.shape[-2] % TILE_ROWS or t.shape[-1] % cols:
+    if not _fits_tiles(t, cols):
         raise ValueError(f"a tensor [..., N, C] splits into [{TILE_ROWS}, {cols}] tiles only if N % {TILE_ROWS} == 0 "
                          f"and C % {cols} == 0, got {tuple(t.shape)}")
 
