@@ -60,6 +60,8 @@ def sass_of(fn, consts: dict, warps: int, stages: int, out: Path, tag: str) -> d
     regs = re.search(r"REG:(\d+)", usage)
     ops = collections.Counter(op.split(".")[0] for _, op in instructions(sass))
     loop = loop_ops(sass)
+    order = [op.split(".")[0] for _, op in instructions(sass)]
+    first_memory = next((i for i, op in enumerate(order) if op.startswith(GLOBAL_MEMORY_OPS)), len(order))
     return {"tag": tag, "regs": int(regs.group(1)) if regs else None, "shared": k.metadata.shared,
             "total": sum(ops.values()), "loop": sum(loop.values()),
             "loop_LDG": loop["LDG"], "loop_LDGSTS": loop["LDGSTS"],  # synchronous / cp.async global loads
@@ -67,7 +69,14 @@ def sass_of(fn, consts: dict, warps: int, stages: int, out: Path, tag: str) -> d
                                    if op.startswith("LDGSTS") and op.endswith(".128")),
             "LDL": ops["LDL"], "STL": ops["STL"],
             "HGMMA": ops["HGMMA"], "HMMA": ops["HMMA"], "LDG": ops["LDG"], "IMAD": ops["IMAD"], "LOP3": ops["LOP3"],
-            "PRMT": ops["PRMT"], "FMUL": ops["FMUL"], "F2FP": ops["F2FP"]}
+            "PRMT": ops["PRMT"], "FMUL": ops["FMUL"], "F2FP": ops["F2FP"],
+            # programmatic dependent launch: griddepcontrol.wait / .launch_dependents, and whether the wait comes
+            # before the kernel's first global load or store
+            "ACQBULK": ops["ACQBULK"], "PREEXIT": ops["PREEXIT"],
+            "waits_before_memory": "ACQBULK" in order[:first_memory]}
+
+
+GLOBAL_MEMORY_OPS = ("LDG", "STG", "ATOM", "RED")  # SASS op names of global loads, cp.async, stores, atomics
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:
@@ -120,7 +129,7 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90, {args.warps} warps, {args.stages} stages")
     for name in args.cases:
         fn, consts = CASES[name]
-        consts = dict(consts)
+        consts = {"PDL": 0, **consts}  # plain launches unless --set PDL=1 (programmatic dependent launch)
         for kv in args.set:
             key, value = kv.split("=")
             if key in consts:

@@ -20,9 +20,9 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "sass_report.py"
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def sass_reports(out: Path, *settings: str) -> dict[str, dict]:
+def sass_reports(out: Path, *settings: str, cases: tuple[str, ...] = ("gate_up", "down", "linear")) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--cases", "gate_up", "down", "linear",
+    run = subprocess.run([sys.executable, str(TOOL), "--out", str(out), "--cases", *cases,
                           "--set", *settings], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [ast.literal_eval(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -58,3 +58,18 @@ def test_tiled_weights_arrive_in_16_byte_copies(tiled_reports: dict[str, dict], 
     report = tiled_reports[case]
     scale_copies = 2 if case == "gate_up" else 1  # gate and up scale tiles / one weight's
     assert report["loop_LDGSTS_16B"] == report["loop_LDGSTS"] - scale_copies, report
+
+
+@pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
+                    reason="triton's bundled ptxas / cuobjdump are needed to compile for sm_90")
+def test_programmatic_dependent_launch_waits_before_any_global_access(tmp_path: Path) -> None:
+    """With PDL a kernel's programs may start while the previous kernel still runs: each must wait
+    (griddepcontrol.wait = ACQBULK) before its first global load or store, or it could read inputs not yet written
+    or overwrite buffers still being read. Without PDL the kernels carry neither instruction."""
+    cases = ("linear", "attention", "nvfp4_rows", "router")
+    with_pdl = sass_reports(tmp_path / "pdl", "PDL=1", cases=cases)
+    plain = sass_reports(tmp_path / "plain", "PDL=0", cases=cases)
+    for case in cases:
+        assert with_pdl[case]["ACQBULK"] == 1 and with_pdl[case]["PREEXIT"] == 1, with_pdl[case]
+        assert with_pdl[case]["waits_before_memory"], with_pdl[case]
+        assert plain[case]["ACQBULK"] == plain[case]["PREEXIT"] == 0, plain[case]

@@ -9,8 +9,20 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from trace_lightning.quant.words import TILE_BYTES, TILE_ROWS
+
+
+@triton.jit
+def await_previous_grid(PDL: tl.constexpr):
+    """With programmatic dependent launch (`_common.grid_dependency`): wait until the previous kernel in the stream
+    has finished and its writes are visible, then let the next kernel's programs launch. Every kernel calls this
+    before its first load or store, so a kernel started early never reads inputs, or overwrites buffers, that the
+    one before it is still using. A no-op without PDL (and under the CPU interpreter, which never sets it)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

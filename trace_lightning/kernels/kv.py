@@ -23,12 +23,21 @@ from trace_lightning.kernels._common import (
     autotune_on,
     dot_precision,
     fast_dequant,
+    grid_dependency,
     mma_dtype,
     scale_bytes,
     sm_count,
     tuned,
 )
-from trace_lightning.kernels._fp4 import abs_bits_max, dequant_tile, load_packed, load_scales, to_word_layout, unscale
+from trace_lightning.kernels._fp4 import (
+    abs_bits_max,
+    await_previous_grid,
+    dequant_tile,
+    load_packed,
+    load_scales,
+    to_word_layout,
+    unscale,
+)
 from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_bits
 from trace_lightning.quant import NVFP4
 
@@ -68,7 +77,8 @@ def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, r
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg, cvp, cvs, cvg,
                    R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = (b * T + t) * H + h
     h = rows % H
     bt = rows // H
@@ -99,7 +109,7 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
         k.contiguous(), v.contiguous(), positions.to(torch.int64).contiguous(), *outs[0], *outs[1],
         layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
         layer.v_packed, scale_bytes(layer.v_scales), layer.v_global,
-        R, T, Hkv, S, Dh, dev.type == "cuda", layer.words, block_r, block_d, num_warps=4)
+        R, T, Hkv, S, Dh, dev.type == "cuda", layer.words, block_r, block_d, num_warps=4, **grid_dependency(dev))
     return tuple(NVFP4(p, s.view(torch.float8_e4m3fn), g) for p, s, g in outs)  # type: ignore[return-value]
 
 
@@ -107,7 +117,8 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
 def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_ptr, sm_scale,
                        T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                       FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr):
+                       FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
     t = bht % T
     bh = bht // T
@@ -161,7 +172,8 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
 
 @triton.jit
 def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, T, H, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
-                       BLOCK_SPLITS: tl.constexpr):
+                       BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     bht, g = tl.program_id(0), tl.program_id(1)
     sp = tl.arange(0, BLOCK_SPLITS)
     d = tl.arange(0, DH)
@@ -259,14 +271,15 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
             layer.v_packed, scale_bytes(layer.v_scales), layer.v_global, o, m, l_sum, float(sm_scale),
             T, Hkv, S, split_len, splits, G, Dh, max(8 if ATTN_SWAP else 16, triton.next_power_of_2(G)))
     dt, prec = mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device)
+    pdl = grid_dependency(q.device)
     if tune:
-        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, SWAP=ATTN_SWAP)
+        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, SWAP=ATTN_SWAP, **pdl)
     else:
         _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words,
-                                           SWAP=ATTN_SWAP, num_warps=warps, num_stages=stages)
+                                           SWAP=ATTN_SWAP, num_warps=warps, num_stages=stages, **pdl)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
-                                  num_warps=4)
+                                  num_warps=4, **pdl)
     return out
 
 

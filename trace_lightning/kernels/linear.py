@@ -21,13 +21,14 @@ from trace_lightning.kernels._common import (
     autotune_on,
     dot_precision,
     fast_dequant,
+    grid_dependency,
     mma_dtype,
     scale_bytes,
     sm_count,
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import activation_tile_kperm, unscale, weight_tile_kperm
+from trace_lightning.kernels._fp4 import activation_tile_kperm, await_previous_grid, unscale, weight_tile_kperm
 from trace_lightning.kernels.layout import readable_weight
 from trace_lightning.kernels.reduce import sum_partials
 from trace_lightning.quant import NVFP4
@@ -38,7 +39,8 @@ from trace_lightning.sim._weights import global_strides
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                    WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,6 +98,7 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
         bm, bn, bk = blocks
     split = split_k or split
     tune = autotune_on(x.device)
+    pdl = grid_dependency(x.device)
     k_unit = TUNED_K_UNIT if tune else bk  # an autotuned BLOCK_K must divide each split's K range
     k_split = triton.cdiv(triton.cdiv(K, k_unit), split) * k_unit
     split = triton.cdiv(K, k_split)
@@ -109,9 +112,9 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
             M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64,
             fast, words, tiled, K % k_split == 0, bm)  # even: no split's K range runs past K
     if tune:
-        _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args)
+        _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **pdl)
     else:
-        _LINEAR[0][(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](*args, bn, bk, num_warps=4, num_stages=3)
+        _LINEAR[0][(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](*args, bn, bk, num_warps=4, num_stages=3, **pdl)
     return sum_partials(out, 0, out_dtype) if split > 1 else out
 
 

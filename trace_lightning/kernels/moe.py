@@ -23,6 +23,7 @@ from trace_lightning.kernels._common import (
     autotune_on,
     dot_precision,
     fast_dequant,
+    grid_dependency,
     mma_dtype,
     mma_torch_dtype,
     scale_bytes,
@@ -30,7 +31,7 @@ from trace_lightning.kernels._common import (
     swap_ab,
     tuned,
 )
-from trace_lightning.kernels._fp4 import activation_tile_kperm, unscale, weight_tile_kperm
+from trace_lightning.kernels._fp4 import activation_tile_kperm, await_previous_grid, unscale, weight_tile_kperm
 from trace_lightning.kernels.layout import readable_weight
 from trace_lightning.kernels.quantize import quantize_nvfp4_rows_operand
 from trace_lightning.kernels.reduce import sum_partials
@@ -40,11 +41,12 @@ from trace_lightning.sim._weights import global_strides
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """One program: histogram the pairs' experts, pad each expert's run to BLOCK_M, label every tile with its
     expert, then place each chunk of BLOCK_P pairs by sorting it on (expert, pair): a pair's slot is its
     sorted position plus its expert's offset (start of the expert's run + pairs of earlier chunks - the
     chunk's pairs of earlier experts), so the order within an expert is the pairs' order (stable)."""
+    await_previous_grid(PDL)
     ev = tl.arange(0, BLOCK_E)
     pv = tl.arange(0, BLOCK_P)
     counts = tl.zeros((BLOCK_E,), tl.int32)
@@ -98,7 +100,8 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat, sorted_ids, block_expert, P, experts, blocks, block_m,
                         max(16, min(ALIGN_CHUNK, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(experts)),
-                        ALIGN_SLOTS, num_warps=ALIGN_WARPS or (8 if P > 1024 else 4))
+                        ALIGN_SLOTS, num_warps=ALIGN_WARPS or (8 if P > 1024 else 4),
+                        **grid_dependency(flat.device))
     return sorted_ids, block_expert, blocks
 
 
@@ -117,7 +120,8 @@ def _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M: tl.constexpr):
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h_ptr, P, TOPK, E, D, I,
                     DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                     WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
     tok = tl.where(valid, rows // TOPK, 0)
@@ -164,7 +168,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
 def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D, I,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
                  FAST: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
     safe = tl.where(valid, rows, 0)
@@ -262,6 +267,7 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     sorted_ids, block_expert, blocks = align_pairs(topk_ids.to(torch.int64), E, block_m)
     h = torch.empty(P, I, dtype=torch.float32, device=dev)
     tune = autotune_on(dev)
+    pdl = grid_dependency(dev)
     g13, g13_strides = global_strides(w13)
     g2, g2_strides = global_strides(w2)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
@@ -269,10 +275,11 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     bn, bk, warps, stages = GATE_UP_LAUNCH
     bn, bk = bn or gate_up_block_n(P, E, I, block_m, dev), bk or block_k_for(block_m)
     if tune:
-        _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args, D % TUNED_K_UNIT == 0, block_m)
+        _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args, D % TUNED_K_UNIT == 0, block_m,
+                                                                            **pdl)
     else:
         _GATE_UP[0][(blocks, triton.cdiv(I, bn))](*args, D % bk == 0, block_m, bn, bk, num_warps=warps,
-                                                  num_stages=stages)
+                                                  num_stages=stages, **pdl)
     if quantize_intermediate:  # A = code * block scale in the MMA dtype, its row global for the epilogue
         q, a = quantize_nvfp4_rows_operand(h.view(N, k, I), mma_torch_dtype(x.dtype, dev))
         a_global = q.global_scale
@@ -285,8 +292,8 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     bn, bk, warps, stages = DOWN_LAUNCH
     bn, bk = bn or down_block_n(P, E, D, block_m, dev), bk or block_k_for(block_m)
     if tune:
-        _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args, I % TUNED_K_UNIT == 0, block_m)
+        _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args, I % TUNED_K_UNIT == 0, block_m, **pdl)
     else:
         _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, I % bk == 0, block_m, bn, bk, num_warps=warps,
-                                               num_stages=stages)
+                                               num_stages=stages, **pdl)
     return sum_partials(y.view(N, k, D), 1, x.dtype), q

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trace_lightning.kernels._common import TL_DTYPES
+from trace_lightning.kernels._common import TL_DTYPES, grid_dependency
+from trace_lightning.kernels._fp4 import await_previous_grid
 
 
 @triton.jit
@@ -30,7 +31,8 @@ def _round_to(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, inv_d, eps, X_DTYPE: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)
     mask = (r[:, None] < R) & (d[None, :] < D)
@@ -62,5 +64,5 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     per = max(1, min(64, 4096 // block_d))  # rows per program: ~4K elements in registers
     R = rows.shape[0]
     _rms_norm_kernel[(triton.cdiv(R, per),)](rows, weight.contiguous(), out, R, D, 1.0 / D, eps, TL_DTYPES[x.dtype],
-                                             per, block_d, num_warps=4)
+                                             per, block_d, num_warps=4, **grid_dependency(x.device))
     return out.view(x.shape)

@@ -12,9 +12,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trace_lightning.kernels._common import sm_count
+from trace_lightning.kernels._common import grid_dependency, sm_count
 from trace_lightning.kernels._fp4 import (
     abs_bits_max,
+    await_previous_grid,
     e2m1_to_f16_scaled,
     e4m3_round_byte,
     e4m3_to_f32,
@@ -120,7 +121,9 @@ def _nvfp4_chunk(x, k0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MO
 
 @triton.jit
 def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
-                  RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                  RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if ONE_PASS:  # whole rows in one chunk: x is read once, the row amax included
         x = load_chunk(x_ptr, rows, 0, R, K, BLOCK_K)
@@ -163,7 +166,8 @@ def _rceil_exponent(v):
 
 @triton.jit
 def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     NB: tl.constexpr = BLOCK_K // 32
     for k0 in range(0, K, BLOCK_K):
@@ -192,7 +196,8 @@ def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECI
 
 
 @triton.jit
-def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr):
+def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     quad = tl.arange(0, 4)
     p = tl.load(packed_ptr + offs[:, None] * 4 + quad[None, :], mask=offs[:, None] < n_out, other=0).to(tl.int32)
@@ -231,7 +236,7 @@ def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
     dequant = DEQUANT_NONE if dq is None else dequant
     _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, packed, scales, packed if dq is None else dq, R, K, mode,
                                               dequant.value, x.device.type == "cuda", block_k >= K, block_r,
-                                              block_k, num_warps=warps)
+                                              block_k, num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
 
@@ -279,7 +284,7 @@ def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
     scales = torch.empty(R, K // 32, dtype=torch.uint8, device=x.device)
     block_r, block_k, warps = _launch_shape(R, K, x.device)
     _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed, scales, R, K, mode == "rceil", x.device.type == "cuda",
-                                              block_r, block_k, num_warps=warps)
+                                              block_r, block_k, num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return MXFP4(packed=packed.view(*lead, K // 2), scales=scales.view(*lead, K // 32).view(torch.float8_e8m0fnu),
                  mode=mode)
@@ -292,5 +297,5 @@ def pack_parity(packed: Tensor) -> Tensor:
     src = packed.contiguous()
     out = torch.empty(*packed.shape[:-1], packed.shape[-1] // 4, dtype=torch.uint8, device=packed.device)
     n = out.numel()
-    _parity_kernel[(triton.cdiv(n, 1024),)](src, out, n, 1024, num_warps=4)
+    _parity_kernel[(triton.cdiv(n, 1024),)](src, out, n, 1024, num_warps=4, **grid_dependency(packed.device))
     return out

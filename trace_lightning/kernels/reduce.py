@@ -7,9 +7,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from trace_lightning.kernels._common import grid_dependency
+from trace_lightning.kernels._fp4 import await_previous_grid
+
 
 @triton.jit
-def _sum_kernel(y_ptr, out_ptr, D, stride_row, stride_part, PARTS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sum_kernel(y_ptr, out_ptr, D, stride_row, stride_part, PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
+                PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_D,), tl.float32)
@@ -27,5 +32,6 @@ def sum_partials(y: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
     stride_row, stride_part = (D, B * D) if dim == 0 else (B * D, D)
     out = torch.empty(rows, D, dtype=dtype, device=y.device)
     block_d = min(1024, triton.next_power_of_2(D))
-    _sum_kernel[(rows, triton.cdiv(D, block_d))](y, out, D, stride_row, stride_part, parts, block_d, num_warps=4)
+    _sum_kernel[(rows, triton.cdiv(D, block_d))](y, out, D, stride_row, stride_part, parts, block_d, num_warps=4,
+                                                 **grid_dependency(y.device))
     return out

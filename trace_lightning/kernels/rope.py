@@ -13,13 +13,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trace_lightning.kernels._common import TL_DTYPES
+from trace_lightning.kernels._common import TL_DTYPES, grid_dependency
+from trace_lightning.kernels._fp4 import await_previous_grid
 from trace_lightning.kernels.norm import _round_to, weighted_norm
 
 
 @triton.jit
 def _rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, sx_bt, sx_h, inv_d, eps, NORM: tl.constexpr,
-                 X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, DH: tl.constexpr, BLOCK_H: tl.constexpr):
+                 X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, DH: tl.constexpr, BLOCK_H: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     HALF: tl.constexpr = DH // 2
     bt = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -68,5 +71,6 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, norm_weight: Tensor | None = None,
     _rope_kernel[(B * T, triton.cdiv(H, block_h))](rows, weight, cos.contiguous(), sin.contiguous(), out, H,
                                                    rows.stride(0), rows.stride(1), 1.0 / Dh, eps,
                                                    norm_weight is not None, TL_DTYPES[x.dtype], TL_DTYPES[normed], Dh,
-                                                   block_h, num_warps=4, enable_fp_fusion=False)
+                                                   block_h, num_warps=4, enable_fp_fusion=False,
+                                                   **grid_dependency(x.device))
     return out

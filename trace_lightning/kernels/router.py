@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from trace_lightning.kernels._common import grid_dependency
+from trace_lightning.kernels._fp4 import await_previous_grid
 from trace_lightning.kernels.norm import _round_to
 from trace_lightning.sim.router import check_route_args
 
@@ -34,7 +36,9 @@ def _flip(bits):
 
 @triton.jit
 def _route_topk_kernel(logits_ptr, gates_ptr, ids_ptr, R, E, SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr,
-                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    await_previous_grid(PDL)
     TAKEN: tl.constexpr = -2147483647  # below every float's key (-inf's is -2139095041): padding, picked lanes
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     e = tl.arange(0, BLOCK_E)[None, :]
@@ -85,6 +89,7 @@ def route_topk(logits: Tensor, top_k: int, scoring: str, normalize: bool,
         block_e = triton.next_power_of_2(E)
         per = max(1, 1024 // block_e)  # rows per program: ~8 logits a thread at 4 warps, a row inside one warp
         _route_topk_kernel[(triton.cdiv(R, per),)](rows, gates, ids, R, E, scoring == "softmax", bool(normalize),
-                                                   top_k, triton.next_power_of_2(top_k), per, block_e, num_warps=4)
+                                                   top_k, triton.next_power_of_2(top_k), per, block_e, num_warps=4,
+                                                   **grid_dependency(logits.device))
     shape = (*logits.shape[:-1], top_k)
     return gates.view(shape), ids.view(shape)
