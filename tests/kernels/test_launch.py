@@ -26,7 +26,8 @@ def _decode_chain(x: torch.Tensor, norm_w: torch.Tensor, w) -> tuple[torch.Tenso
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_early_launched_chain_equals_plain_stream_order(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["1", "2"])  # successor launched at once / at each program's exit
+def test_early_launched_chain_equals_plain_stream_order(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 2048, device="cuda", generator=gen).to(torch.bfloat16)
     norm_w = 1 + 0.1 * torch.randn(2048, device="cuda", generator=gen)
@@ -34,7 +35,7 @@ def test_early_launched_chain_equals_plain_stream_order(monkeypatch: pytest.Monk
     wq = kernels.prepare_weight(kernels.quantize_nvfp4(w, tensor_global_scale(w, 2)), w.dtype)
     monkeypatch.setenv("TRACE_LIGHTNING_PDL", "0")
     plain = _decode_chain(x, norm_w, wq)
-    monkeypatch.setenv("TRACE_LIGHTNING_PDL", "1")
+    monkeypatch.setenv("TRACE_LIGHTNING_PDL", mode)
     if not grid_dependency(x.device):
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
     for _ in range(3):  # several runs: a missing wait would show as a race, not on every run

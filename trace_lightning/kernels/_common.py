@@ -79,8 +79,9 @@ def _has_grid_dependency_control(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def grid_dependency(device: torch.device) -> dict[str, bool]:
-    """Launch options for programmatic dependent launch on Hopper and newer (TRACE_LIGHTNING_PDL=0 turns it off).
+def grid_dependency(device: torch.device) -> dict[str, int | bool]:
+    """Launch options for programmatic dependent launch on Hopper and newer: TRACE_LIGHTNING_PDL=1 lets each kernel's
+    successor launch as soon as all its programs run, 2 only as they exit, 0 turns it off.
 
     A decode step is ~20 small kernels a layer, each of which used to start only after the previous one had
     drained and flushed. Launched with `launch_pdl`, a kernel's programs are scheduled while the previous kernel's
@@ -88,9 +89,10 @@ def grid_dependency(device: torch.device) -> dict[str, bool]:
     kernel here does when PDL is set) until its writes are visible, so results are those of plain stream order.
     Kernels then let their own successor launch (`griddepcontrol.launch_dependents`) once all their programs are
     running. Empty (plain launches) on CPU, under the interpreter and before sm_90."""
-    if device.type != "cuda" or os.environ.get("TRACE_LIGHTNING_PDL", "1") == "0":
+    mode = int(os.environ.get("TRACE_LIGHTNING_PDL", "1"))
+    if device.type != "cuda" or mode == 0:
         return {}
-    return {"PDL": True, "launch_pdl": True} if _has_grid_dependency_control(device.index or 0) else {}
+    return {"PDL": mode, "launch_pdl": True} if _has_grid_dependency_control(device.index or 0) else {}
 
 
 def fast_dequant(dtype: torch.dtype, device: torch.device) -> bool:

@@ -16,12 +16,14 @@ from trace_lightning.quant.words import TILE_BYTES, TILE_ROWS
 
 @triton.jit
 def await_previous_grid(PDL: tl.constexpr):
-    """With programmatic dependent launch (`_common.grid_dependency`): wait until the previous kernel in the stream
-    has finished and its writes are visible, then let the next kernel's programs launch. Every kernel calls this
-    before its first load or store, so a kernel started early never reads inputs, or overwrites buffers, that the
-    one before it is still using. A no-op without PDL (and under the CPU interpreter, which never sets it)."""
-    if PDL:
+    """With programmatic dependent launch (`_common.grid_dependency`, PDL 1 or 2): wait until the previous kernel in
+    the stream has finished and its writes are visible. Every kernel calls this before its first load or store, so
+    a kernel started early never reads inputs, or overwrites buffers, that the one before it is still using. PDL 1
+    then lets the next kernel launch at once (its programs are scheduled while this kernel's last ones run); PDL 2
+    leaves that to each program's exit. A no-op with PDL 0 (and under the CPU interpreter, which never sets it)."""
+    if PDL != 0:
         gdc_wait()
+    if PDL == 1:
         gdc_launch_dependents()
 
 

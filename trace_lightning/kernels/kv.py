@@ -77,7 +77,7 @@ def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, r
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg, cvp, cvs, cvg,
                    R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = (b * T + t) * H + h
     h = rows % H
@@ -117,7 +117,7 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
 def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_ptr, sm_scale,
                        T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                       FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
+                       FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
     t = bht % T
@@ -172,7 +172,7 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
 
 @triton.jit
 def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, T, H, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
-                       BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     bht, g = tl.program_id(0), tl.program_id(1)
     sp = tl.arange(0, BLOCK_SPLITS)

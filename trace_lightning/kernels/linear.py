@@ -39,7 +39,7 @@ from trace_lightning.sim._weights import global_strides
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                    WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,16 +73,22 @@ _LINEAR = tuned(_linear_kernel, [
 ], key=["M", "N", "K", "K_SPLIT"])
 
 
+# tools/sweep_linear.py on an H200 (words in tiles, 16-byte weight copies; qwen3-30b-a3b's wqkv 5120 x 2048 and wo
+# 2048 x 4096): up to 64 rows, 64-wide N tiles and 128-wide K steps (wo M=64 15.6 -> 14.4 us); above, 128-wide N
+# tiles and 64-wide K steps (M=256: wqkv 36.1 -> 30.3 us, wo 28.7 -> 24.2 us); and the fewest K splits that give
+# about two programs per SM (LINEAR_FILL x SMs: 256 programs count for 132 SMs; wo M=16 split 16 -> 8, 12.2 -> 11.3 us).
+LINEAR_FILL = 1.9
+
+
 def linear_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k): enough programs to fill the chip at decode sizes."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k): enough programs to fill the chip at decode sizes (see above)."""
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    block_n = 64  # tools/sweep_linear.py (H200): 64 wide is best or within 2% at M = 16 / 64 / 256
-    # K tile 128 for a single 16-row tile, 64 above it (wider tiles: wqkv M=64 22.6 -> 17.9 us, M=256 52 -> 40 us)
-    block_k = (128 if M <= 16 else 64) if K >= 128 else max(16, triton.next_power_of_2(K))
+    block_n = 64 if M <= 64 else 128
+    block_k = (128 if M <= 64 else 64) if K >= 128 else max(16, triton.next_power_of_2(K))
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     k_blocks = triton.cdiv(K, block_k)
     split = 1
-    while tiles * split < 2 * sm_count(device) and split * 2 <= k_blocks // 2:
+    while tiles * split < LINEAR_FILL * sm_count(device) and split * 2 <= k_blocks // 2:
         split *= 2
     return block_m, block_n, block_k, split
 

@@ -41,7 +41,7 @@ from trace_lightning.sim._weights import global_strides
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
     """One program: histogram the pairs' experts, pad each expert's run to BLOCK_M, label every tile with its
     expert, then place each chunk of BLOCK_P pairs by sorting it on (expert, pair): a pair's slot is its
     sorted position plus its expert's offset (start of the expert's run + pairs of earlier chunks - the
@@ -120,7 +120,7 @@ def _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M: tl.constexpr):
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h_ptr, P, TOPK, E, D, I,
                     DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                     WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
@@ -168,7 +168,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
 def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D, I,
                  QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
                  FAST: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)

@@ -122,7 +122,7 @@ def _nvfp4_chunk(x, k0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MO
 @triton.jit
 def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
                   RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if ONE_PASS:  # whole rows in one chunk: x is read once, the row amax included
@@ -166,7 +166,7 @@ def _rceil_exponent(v):
 
 @triton.jit
 def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     NB: tl.constexpr = BLOCK_K // 32
@@ -196,7 +196,7 @@ def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECI
 
 
 @triton.jit
-def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     quad = tl.arange(0, 4)
