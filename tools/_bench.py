@@ -12,6 +12,9 @@ from typing import Any
 import torch
 import triton
 
+from trace_lightning import kernels
+from trace_lightning.ops import FP4KVLayer
+
 COPY_CEILING = 4.25e12  # bytes/s read + written, device-to-device copy measured on the H200 (GPU.md)
 
 
@@ -74,6 +77,13 @@ def add_bw(rep: Report, op: str, shape: str, ms: float, nbytes: int, **extra: An
 def nvfp4_bytes(rows: int, cols: int) -> int:
     """Bytes of an NVFP4 matrix: packed codes, E4M3 scales, one float32 global per row."""
     return rows * cols // 2 + rows * cols // 16 + rows * 4
+
+
+def empty_fp4_cache(B: int, kv_heads: int, S: int, head_dim: int) -> FP4KVLayer:
+    """One layer's FP4 KV cache in the layouts the engine gives it on this device (word layout, value tiles)."""
+    return FP4KVLayer.allocate(B, kv_heads, S, head_dim, "cuda",
+                               words=kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True),
+                               value_tiles=kernels.prefers_value_tiles(torch.bfloat16, "cuda"))
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, float]:

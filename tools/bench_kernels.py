@@ -13,11 +13,10 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from _bench import Report, add_bw, bench_ms, graph_ms, nvfp4_bytes
+from _bench import Report, add_bw, bench_ms, empty_fp4_cache, graph_ms, nvfp4_bytes
 from torch import Tensor
 
 from trace_lightning import kernels
-from trace_lightning.ops import FP4KVLayer
 from trace_lightning.quant import tensor_global_scale
 
 BATCHES = (1, 16, 64, 256)
@@ -106,8 +105,7 @@ def attention(rep: Report, ctx: int = 2048) -> None:
         k16 = torch.randn(B, Hkv, S, Dh, device="cuda", dtype=torch.bfloat16)
         v16 = torch.randn_like(k16)
         q = torch.randn(B, Hq, 1, Dh, device="cuda", dtype=torch.bfloat16)
-        words = kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
-        layer = FP4KVLayer.allocate(B, Hkv, S, Dh, "cuda", words=words)
+        layer = empty_fp4_cache(B, Hkv, S, Dh)
         kernels.kv_append(layer, k16.transpose(1, 2), v16.transpose(1, 2),
                           torch.arange(S, device="cuda").expand(B, S))
         pos = torch.full((B, 1), ctx, device="cuda", dtype=torch.int64)

@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from _bench import COPY_CEILING, Report, bench_ms, graph_ms, graph_of, nvfp4_bytes
+from _bench import COPY_CEILING, Report, bench_ms, empty_fp4_cache, graph_ms, graph_of, nvfp4_bytes
 from bench_kernels import bf16_moe
 from torch import Tensor
 
@@ -163,8 +163,7 @@ def fill_caches(s: Shape, L: int, B: int, ctx: int) -> tuple[list[tuple[Tensor, 
     for _ in range(L):
         k = torch.randn(B, s.kv_heads, ctx + 1, s.head_dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        layer = FP4KVLayer.allocate(B, s.kv_heads, ctx + 1, s.head_dim, "cuda",
-                                    words=kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True))
+        layer = empty_fp4_cache(B, s.kv_heads, ctx + 1, s.head_dim)
         kernels.kv_append(layer, k.transpose(1, 2), v.transpose(1, 2),
                           torch.arange(ctx + 1, device="cuda").expand(B, ctx + 1))
         bf16.append((k, v))
@@ -247,8 +246,7 @@ def step_at(s: Shape, layers: list[Layer], fp4: bool, caches: list, B: int, ctx:
 
 def random_fp4_cache(B: int, kv_heads: int, S: int, head_dim: int, chunk: int = 16) -> FP4KVLayer:
     """A full FP4 cache of random K/V, quantized `chunk` sequences at a time (bounds the bf16 staging memory)."""
-    layer = FP4KVLayer.allocate(B, kv_heads, S, head_dim, "cuda",
-                                words=kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True))
+    layer = empty_fp4_cache(B, kv_heads, S, head_dim)
     for b0 in range(0, B, chunk):
         sub = layer.batch_rows(b0, b0 + chunk)
         n = sub.shape[0]

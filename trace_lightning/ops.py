@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from trace_lightning.quant import NVFP4
+from trace_lightning.quant.kv_tiles import VALUE_TILE_KEYS, from_value_tiles
 from trace_lightning.quant.words import from_word_layout
 
 BACKENDS = ("auto", "triton", "sim")
@@ -56,7 +57,9 @@ class FP4KVLayer:
     k_packed uint8 [B, Hkv, S, Dh/2], k_scales float8_e4m3fn [B, Hkv, S, Dh/16], k_global float32 [B, Hkv, S, 1],
     and the same for v. Contiguous so that the decode kernel reads each head's keys as one stream. With `words`
     the packed codes are in the kernels' word layout (trace_lightning/quant/words.py), which their fast decoder
-    reads with about half the instructions; both backends write and read either layout.
+    reads with about half the instructions; with `value_tiles` the values' codes and scales are in the value tiles
+    of trace_lightning/quant/kv_tiles.py (key pairs per byte, for the attention's P V product; S a multiple of 16),
+    whatever `words` says. Both backends write and read every layout.
     """
 
     k_packed: Tensor
@@ -66,13 +69,17 @@ class FP4KVLayer:
     v_scales: Tensor
     v_global: Tensor
     words: bool = False
+    value_tiles: bool = False
 
     @classmethod
     def allocate(cls, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 device: torch.device | str = "cpu", words: bool = False) -> FP4KVLayer:
-        """Zeroed cache (zero bytes dequantize to 0.0, in either layout)."""
+                 device: torch.device | str = "cpu", words: bool = False, value_tiles: bool = False) -> FP4KVLayer:
+        """Zeroed cache (zero bytes dequantize to 0.0, in every layout); with value_tiles max_len is rounded up to a
+        whole number of tiles."""
         if head_dim % 16:
             raise ValueError(f"head_dim must be divisible by 16, got {head_dim}")
+        if value_tiles:
+            max_len = -(-max_len // VALUE_TILE_KEYS) * VALUE_TILE_KEYS
         shape = (batch, kv_heads, max_len)
 
         def zeros(last: int, dtype: torch.dtype) -> Tensor:
@@ -80,34 +87,47 @@ class FP4KVLayer:
 
         return cls(zeros(head_dim // 2, torch.uint8), zeros(head_dim // 16, torch.uint8).view(torch.float8_e4m3fn),
                    zeros(1, torch.float32), zeros(head_dim // 2, torch.uint8),
-                   zeros(head_dim // 16, torch.uint8).view(torch.float8_e4m3fn), zeros(1, torch.float32), words)
+                   zeros(head_dim // 16, torch.uint8).view(torch.float8_e4m3fn), zeros(1, torch.float32), words,
+                   value_tiles)
 
     def batch_rows(self, start: int, stop: int) -> FP4KVLayer:
         """A view of sequences start..stop (writes land in this cache)."""
-        return FP4KVLayer(*(t[start:stop] for t in self.tensors()), words=self.words)
+        return FP4KVLayer(*(t[start:stop] for t in self.tensors()), words=self.words, value_tiles=self.value_tiles)
 
     def tensors(self) -> tuple[Tensor, ...]:
         return self.k_packed, self.k_scales, self.k_global, self.v_packed, self.v_scales, self.v_global
 
     def stored_order(self) -> FP4KVLayer:
         """This cache with its packed codes in stored NVFP4 order (itself when it is; else an exact copy)."""
-        if not self.words:
+        if not (self.words or self.value_tiles):
             return self
         k, v = self.keys(), self.values()
         return FP4KVLayer(k.packed, k.scales, k.global_scale, v.packed, v.scales, v.global_scale)
 
+    def stored_keys(self) -> FP4KVLayer:
+        """This cache with its keys in stored NVFP4 order and its values as they are (an exact copy of the keys)."""
+        if not self.words:
+            return self
+        k = self.keys()
+        return FP4KVLayer(k.packed, k.scales, k.global_scale, self.v_packed, self.v_scales, self.v_global,
+                          words=False, value_tiles=self.value_tiles)
+
     def keys(self, length: int | None = None) -> NVFP4:
         """NVFP4 keys [B, Hkv, length, Dh] in stored order."""
-        return self._rows(self.k_packed, self.k_scales, self.k_global, length)
+        return self._rows(self.k_packed, self.k_scales, self.k_global, length, self.words)
 
     def values(self, length: int | None = None) -> NVFP4:
         """NVFP4 values [B, Hkv, length, Dh] in stored order."""
-        return self._rows(self.v_packed, self.v_scales, self.v_global, length)
+        if self.value_tiles:
+            packed, scales = from_value_tiles(self.v_packed, self.v_scales)
+            return self._rows(packed, scales, self.v_global, length, False)
+        return self._rows(self.v_packed, self.v_scales, self.v_global, length, self.words)
 
-    def _rows(self, packed: Tensor, scales: Tensor, glob: Tensor, length: int | None) -> NVFP4:
+    @staticmethod
+    def _rows(packed: Tensor, scales: Tensor, glob: Tensor, length: int | None, words: bool) -> NVFP4:
         n = packed.shape[2] if length is None else length
         packed = packed[:, :, :n]
-        return NVFP4(from_word_layout(packed) if self.words else packed, scales[:, :, :n], glob[:, :, :n])
+        return NVFP4(from_word_layout(packed) if words else packed, scales[:, :, :n], glob[:, :, :n])
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

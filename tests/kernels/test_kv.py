@@ -115,6 +115,50 @@ def test_word_layout_cache_append_and_attention(device: str) -> None:
     assert torch.equal(sim.fp4_kv_attention(q, words, q_pos, Dh**-0.5), sim.fp4_kv_attention(q, plain, q_pos, Dh**-0.5))
 
 
+def test_value_tile_cache_append_and_attention(device: str) -> None:
+    """A cache whose values are in value tiles (quant/kv_tiles.py): the Triton append writes exactly to_value_tiles
+    of what a stored-order append writes, also when the two keys of a pair arrive in different launches or a position
+    is skipped; the sim's append writes the same; and attention over it equals attention over the stored-order cache
+    bit for bit (on CUDA through the word decoder, under the interpreter through the portable decoder on the same
+    tiles), at several splits and with the last tile partly past each query's length."""
+    from trace_lightning.quant.kv_tiles import to_value_tiles
+
+    gen = torch.Generator().manual_seed(4)
+    B, T, Hkv, G, S, Dh = 2, 37, 2, 4, 40, 128
+    positions = torch.arange(T).expand(B, T).clone()
+    positions[1, 5] = -1
+    positions = positions.to(device)
+    k, v = (torch.randn(2, B, T, Hkv, Dh, generator=gen) * 3).to(torch.bfloat16).to(device)
+    tiles = FP4KVLayer.allocate(B, Hkv, S, Dh, device, words=True, value_tiles=True)
+    assert tiles.shape[2] == 48  # a whole number of 16-key tiles
+    plain, twin = FP4KVLayer.allocate(B, Hkv, 48, Dh, device), FP4KVLayer.allocate(B, Hkv, 48, Dh, device,
+                                                                                   value_tiles=True)
+    kernels.kv_append(plain, k, v, positions)
+    for t0, t1 in ((0, 11), (11, 12), (12, T)):  # key pairs 10/11 split across launches
+        kernels.kv_append(tiles, k[:, t0:t1], v[:, t0:t1], positions[:, t0:t1])
+    sim.kv_append(twin, k, v, positions)
+    ref_packed, ref_scales = to_value_tiles(plain.v_packed, plain.v_scales)
+    assert torch.equal(tiles.v_packed, ref_packed) and torch.equal(tiles.v_scales.view(torch.uint8),
+                                                                    ref_scales.view(torch.uint8))
+    assert torch.equal(twin.v_packed, tiles.v_packed) and torch.equal(tiles.v_global, plain.v_global)
+    assert torch.equal(tiles.dequantize_v(), plain.dequantize_v())
+    q = torch.randn(B, Hkv * G, 1, Dh, generator=gen).to(torch.bfloat16).to(device)
+    q_pos = torch.tensor([[T - 1], [20]], device=device)
+    for splits in (None, 2):
+        out = kv_attention(q, tiles, q_pos, Dh**-0.5, splits)
+        assert torch.equal(out, kv_attention(q, plain, q_pos, Dh**-0.5, splits))
+
+
+def test_value_tiles_where_the_fast_decoder_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRACE_LIGHTNING_KV_TILES", raising=False)
+    assert kernels.prefers_value_tiles(torch.bfloat16, "cuda")
+    assert not kernels.prefers_value_tiles(torch.float32, "cuda")
+    assert not kernels.prefers_value_tiles(torch.bfloat16, "cpu")
+    assert not sim.prefers_value_tiles(torch.bfloat16, "cuda")
+    monkeypatch.setenv("TRACE_LIGHTNING_KV_TILES", "0")
+    assert not kernels.prefers_value_tiles(torch.bfloat16, "cuda")
+
+
 def test_kv_word_layout_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     """Weights and the KV cache take the word layout wherever the fast decoder runs; the cache keeps the stored
     order with TRACE_LIGHTNING_KV_WORDS=0."""

@@ -5,7 +5,7 @@ Triton or the sim is trace_lightning.ops.backend_for's job alone.
 """
 
 from trace_lightning.kernels.kv import fp4_kv_attention, kv_append
-from trace_lightning.kernels.layout import prefers_word_layout, prepare_weight
+from trace_lightning.kernels.layout import prefers_value_tiles, prefers_word_layout, prepare_weight
 from trace_lightning.kernels.linear import fp4_linear
 from trace_lightning.kernels.moe import fp4_moe
 from trace_lightning.kernels.norm import rms_norm
@@ -26,6 +26,7 @@ __all__ = [
     "fp4_moe",
     "kv_append",
     "pack_parity",
+    "prefers_value_tiles",
     "prefers_word_layout",
     "prepare_weight",
     "quantize_mxfp4",

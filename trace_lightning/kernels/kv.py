@@ -30,25 +30,59 @@ from trace_lightning.kernels._common import (
     tuned,
 )
 from trace_lightning.kernels._fp4 import (
+    _POW2_119,
+    _split_bf16x2,
+    _word_codes_times_scale,
     abs_bits_max,
     await_previous_grid,
     dequant_tile,
+    e4m3_to_f32,
     load_packed,
     load_scales,
     to_word_layout,
+    unpack_codes,
     unscale,
 )
 from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_bits
 from trace_lightning.quant import NVFP4
+from trace_lightning.quant.kv_tiles import half_word_masks
 
 if TYPE_CHECKING:
     from trace_lightning.ops import FP4KVLayer
 
 
+HALF_WORD_LO, HALF_WORD_HI = (tl.constexpr(m) for m in half_word_masks())
+_POW2_126 = tl.constexpr(2.0**126)  # a value-tile word's two keys' bits
+
+
+@triton.jit
+def _write_value_tiles(c_packed, c_scales, packed, byte, dest, ok, DH: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """Rows' NVFP4 values into the cache's value tiles (trace_lightning/quant/kv_tiles.py) at cache rows dest (< 0:
+    skipped). A key shares each word with the other key of its pair, which another program may write at the same
+    time, so its half of the word is cleared and set by two atomics; its scale bytes are its own."""
+    NB: tl.constexpr = DH // 16
+    write = ok & (dest >= 0)
+    tile, key = dest // 16, dest % 16
+    q, t, p = key // 8, key % 8 // 2, key % 2
+    vbytes = (unpack_codes(packed, BLOCK_R, BLOCK_D) << (4 * p)[:, None]).to(tl.uint8)  # byte d: its code's nibble
+    words = to_word_layout(vbytes, BLOCK_R, 2 * BLOCK_D)  # word w holds d = 4 w .. 4 w + 3
+    w = tl.arange(0, BLOCK_D // 4)
+    row_word = tile * (32 * NB) + q * (16 * NB) + t * 4
+    ptr = c_packed.to(tl.pointer_type(tl.int32)) + row_word[:, None] + (w // 4 * 16 + w % 4)[None, :]
+    wmask = write[:, None] & (w[None, :] < DH // 4)
+    keep = tl.where(p == 0, HALF_WORD_HI, HALF_WORD_LO)[:, None]  # the partner's bits
+    tl.atomic_and(ptr, tl.broadcast_to(keep, (BLOCK_R, BLOCK_D // 4)), mask=wmask, sem="relaxed")
+    tl.atomic_or(ptr, words.to(tl.int32, bitcast=True), mask=wmask, sem="relaxed")
+    g = tl.arange(0, BLOCK_D // 16)
+    s_off = (tile * (16 * NB) + (t * 2 + q) * 2 + p)[:, None] + (g * 16)[None, :]
+    tl.store(c_scales + s_off, byte.to(tl.uint8), mask=write[:, None] & (g[None, :] < NB))
+
+
 @triton.jit
 def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, rows, dest, R,
                 DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                BLOCK_D: tl.constexpr, TILES: tl.constexpr = False):
     cols = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + rows[:, None] * DH + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < DH),
                 other=0.0).to(tl.float32)
@@ -64,20 +98,23 @@ def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, r
     tl.store(scales_ptr + rows[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm)
     tl.store(g_ptr + rows, g, mask=ok)
     write = dest >= 0
-    if WORDS:  # the cache copy in the kernels' word layout (the record keeps the stored order)
+    if TILES:  # values in the cache's value tiles (the record keeps the stored order)
+        _write_value_tiles(c_packed, c_scales, packed, byte, dest, ok, DH, BLOCK_R, BLOCK_D)
+    elif WORDS:  # the cache copy in the kernels' word layout (the record keeps the stored order)
         wv = tl.arange(0, BLOCK_D // 8)
         tl.store(c_packed.to(tl.pointer_type(tl.uint32)) + dest[:, None] * (DH // 8) + wv[None, :],
                  to_word_layout(packed, BLOCK_R, BLOCK_D), mask=ok[:, None] & (wv[None, :] < DH // 8) & write[:, None])
     else:
         tl.store(c_packed + dest[:, None] * (DH // 2) + half[None, :], packed, mask=pm & write[:, None])
-    tl.store(c_scales + dest[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm & write[:, None])
+    if not TILES:
+        tl.store(c_scales + dest[:, None] * (DH // 16) + nb[None, :], byte.to(tl.uint8), mask=sm & write[:, None])
     tl.store(c_g + dest, g, mask=ok & write)
 
 
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg, cvp, cvs, cvg,
-                   R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
+                   R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, TILES: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = (b * T + t) * H + h
     h = rows % H
@@ -86,7 +123,7 @@ def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg,
     pos = tl.load(pos_ptr + bt, mask=rows < R, other=-1)
     dest = tl.where(pos >= 0, (b * H + h).to(tl.int64) * S + pos, -1)  # cache row (b, h, pos)
     _append_one(k_ptr, kp, ks, kg, ckp, cks, ckg, rows, dest, R, DH, RECIP, WORDS, BLOCK_R, BLOCK_D)
-    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, RECIP, WORDS, BLOCK_R, BLOCK_D)
+    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, RECIP, WORDS, BLOCK_R, BLOCK_D, TILES)
 
 
 def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tuple[NVFP4, NVFP4]:
@@ -109,15 +146,147 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
         k.contiguous(), v.contiguous(), positions.to(torch.int64).contiguous(), *outs[0], *outs[1],
         layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
         layer.v_packed, scale_bytes(layer.v_scales), layer.v_global,
-        R, T, Hkv, S, Dh, dev.type == "cuda", layer.words, block_r, block_d, num_warps=4, **grid_dependency(dev))
+        R, T, Hkv, S, Dh, dev.type == "cuda", layer.words, layer.value_tiles, block_r, block_d, num_warps=4,
+        **grid_dependency(dev))
     return tuple(NVFP4(p, s.view(torch.float8_e4m3fn), g) for p, s, g in outs)  # type: ignore[return-value]
+
+
+@triton.jit
+def _rotr(x, n: tl.constexpr):
+    return (x >> n) | (x << (32 - n))
+
+
+@triton.jit
+def _tile_word_bits(words):
+    """The word decoder's four masked bit patterns of int32 words, bf16x2 each (code * 2^-126 in both halves; see
+    _fp4._word_codes_times_scale), for the portable path."""
+    w = words.to(tl.uint32, bitcast=True)
+    m = 0x81C081C0
+    return (w & m, _rotr(w, 4) & m, _rotr(w, 10) & m,
+            (_rotr(w, 30) & 0x00400040) | (_rotr(w, 22) & 0x81808180))
+
+
+@triton.jit
+def _tile_scales(word, shift: tl.constexpr, valid, FAST: tl.constexpr, MASKED: tl.constexpr):
+    """The scale byte at `shift` of int32 scale words, 0 where the key is not valid (MASKED): as the bf16 bits of
+    scale * 2^119 (FAST, int32 in 0..0xFFFF) or as the float32 scale."""
+    byte = ((word >> shift) & 0xFF).to(tl.uint8)
+    if FAST:
+        half = (byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _POW2_119).to(tl.bfloat16)
+        value = half.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        value = e4m3_to_f32(byte.to(tl.int32))
+    if MASKED:
+        value = tl.where(valid, value, 0)
+    return value
+
+
+@triton.jit
+def _value_tile_t(vp, vs, base, s0, hi, DH: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
+                  FAST: tl.constexpr, MASKED: tl.constexpr = True):
+    """V^T [DH, BLOCK_S] of keys s0 .. s0 + BLOCK_S (zero from hi on) from the value tiles of a cache whose head starts
+    at row `base` (trace_lightning/quant/kv_tiles.py). Rows come in the order r = (4 i + c) * NB + g, i.e. row r holds
+    d = 16 g + 4 c + i (value_tile_dims): a thread's rows are then exactly the 16 head dimensions of its 4 words, and
+    its key pairs the MMA's, so the decoded tile is the MMA operand with no shared-memory transpose."""
+    NB: tl.constexpr = DH // 16
+    BT: tl.constexpr = BLOCK_S // 16
+    bt = tl.arange(0, BT)
+    q = tl.arange(0, 2)
+    g = tl.arange(0, NB)
+    t = tl.arange(0, 4)
+    c = tl.arange(0, 4)
+    tile = (base + s0) // 16 + bt
+    key0 = s0 + 16 * bt[:, None, None] + 2 * t[None, None, :]  # [BT, 1, 4]: key (q = 0, p = 0) of each t
+    woff = ((tile * (32 * NB))[:, None, None, None, None] + (q * (16 * NB))[None, :, None, None, None]
+            + (g * 16)[None, None, :, None, None] + (t * 4)[None, None, None, :, None] + c[None, None, None, None, :])
+    soff = (tile * (4 * NB))[:, None, None] + (g * 4)[None, :, None] + t[None, None, :]
+    if MASKED:
+        wvalid = (key0[:, None, :, :, None] + 8 * q[None, :, None, None, None]) < hi
+        words = tl.load(vp.to(tl.pointer_type(tl.int32)) + woff, mask=wvalid, other=0)  # [BT, 2, NB, 4, 4]
+        sw = tl.load(vs.to(tl.pointer_type(tl.int32)) + soff, mask=key0 < hi, other=0)  # [BT, NB, 4]: bytes (q, p)
+    else:
+        words = tl.load(vp.to(tl.pointer_type(tl.int32)) + woff)
+        sw = tl.load(vs.to(tl.pointer_type(tl.int32)) + soff)
+        hi = 1 << 30  # every key is in range (the masks below fold away)
+    s00 = _tile_scales(sw, 0, key0 < hi, FAST, MASKED)
+    s01 = _tile_scales(sw, 8, key0 + 1 < hi, FAST, MASKED)
+    s10 = _tile_scales(sw, 16, key0 + 8 < hi, FAST, MASKED)
+    s11 = _tile_scales(sw, 24, key0 + 9 < hi, FAST, MASKED)
+    if FAST:  # bf16x2 scale pairs (p = 0 low, p = 1 high) per q
+        s_lo = tl.permute(tl.join(s00 | (s01 << 16), s10 | (s11 << 16)), (0, 3, 1, 2))
+        s_hi = s_lo
+    else:
+        s_lo = tl.permute(tl.join(s00, s10), (0, 3, 1, 2))
+        s_hi = tl.permute(tl.join(s01, s11), (0, 3, 1, 2))
+    s_lo = tl.broadcast_to(s_lo[:, :, :, :, None], (BT, 2, NB, 4, 4))
+    if FAST:  # code * scale * 2^-7 in bf16, both keys of a pair from one word
+        p0, p1, p2, p3 = _word_codes_times_scale(words, s_lo)
+        lo, hi_key = _split_bf16x2(tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BT, 2, NB, 4, 4, 4)))
+    else:  # code * scale in float32 from the same bits
+        b0, b1, b2, b3 = _tile_word_bits(words)
+        bits = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BT, 2, NB, 4, 4, 4))
+        s_hi = tl.broadcast_to(s_hi[:, :, :, :, None], (BT, 2, NB, 4, 4))
+        lo = (bits << 16).to(tl.float32, bitcast=True) * _POW2_126 * s_lo[:, :, :, :, :, None]
+        hi_key = (bits >> 16 << 16).to(tl.float32, bitcast=True) * _POW2_126 * s_hi[:, :, :, :, :, None]
+    v = tl.join(lo.to(DTYPE), hi_key.to(DTYPE))  # [BT, q, g, t, c, i, p]
+    return tl.reshape(tl.permute(v, (5, 4, 2, 0, 1, 3, 6)), (DH, BLOCK_S))
+
+
+@triton.jit
+def value_tile_dims(DH: tl.constexpr):
+    """Head dimension of each row of _value_tile_t's V^T: d = 16 g + 4 c + i for r = (4 i + c) * NB + g."""
+    NB: tl.constexpr = DH // 16
+    r = tl.arange(0, DH)
+    return 16 * (r % NB) + 4 * (r // NB % 4) + r // (4 * NB)
+
+
+@triton.jit
+def _attend_block(q, m_i, l_i, acc, s0, hi, base, sm_scale, kp, ks, kg, vp, vs, vg, DH: tl.constexpr,
+                  BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
+                  WORDS: tl.constexpr, SWAP: tl.constexpr, TILES: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step over keys s0 .. s0 + BLOCK_S of the head whose cache rows start at base: (m, l, acc).
+    MASKED: keys from hi on are left out (the last, partial block); otherwise every key is in range, and the
+    block's loads and scores carry no masks (the loop's predicates and selects cost ~8% of its instructions)."""
+    js = s0 + tl.arange(0, BLOCK_S)
+    valid = js < hi if MASKED else tl.full((BLOCK_S,), True, tl.int1)
+    rows = base + js
+    kt = dequant_tile(load_packed(kp, rows, DH // 2, 0, valid, DH, WORDS),
+                      load_scales(ks, rows, DH // 16, 0, valid, DH, True),
+                      BLOCK_S, DH, DTYPE, FAST, WORDS)
+    gk = unscale(tl.load(kg + rows, mask=valid, other=0.0), FAST)
+    if SWAP:  # keys on the MMA's M side (ATTN_SWAP)
+        scores = tl.trans(tl.dot(kt, tl.trans(q), input_precision=PREC))
+    else:
+        scores = tl.dot(q, tl.trans(kt), input_precision=PREC)
+    scores = scores * (gk * sm_scale)[None, :]
+    if MASKED:
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    gv = unscale(tl.load(vg + rows, mask=valid, other=0.0), FAST)
+    pv = (p * gv[None, :]).to(DTYPE)
+    if TILES:  # V^T straight from the value tiles (rows in value_tile_dims order)
+        vtt = _value_tile_t(vp, vs, base, s0, hi, DH, BLOCK_S, DTYPE, FAST, MASKED)
+        acc = tl.trans(tl.dot(vtt, tl.trans(pv), tl.trans(acc * alpha[:, None]), input_precision=PREC))
+    else:
+        vt = dequant_tile(load_packed(vp, rows, DH // 2, 0, valid, DH, WORDS),
+                          load_scales(vs, rows, DH // 16, 0, valid, DH, True),
+                          BLOCK_S, DH, DTYPE, FAST, WORDS)
+        if SWAP:
+            acc = tl.trans(tl.dot(tl.trans(vt), tl.trans(pv), tl.trans(acc * alpha[:, None]), input_precision=PREC))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=PREC)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_ptr, sm_scale,
                        T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                       FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = 0):
+                       FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr, TILES: tl.constexpr = False,
+                       PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
     t = bht % T
@@ -136,35 +305,16 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
     l_i = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, DH), tl.float32)
     base = bh * S
-    for s0 in range(lo, hi, BLOCK_S):
-        js = s0 + tl.arange(0, BLOCK_S)
-        valid = js < hi
-        rows = base + js
-        kt = dequant_tile(load_packed(kp, rows, DH // 2, 0, valid, DH, WORDS),
-                          load_scales(ks, rows, DH // 16, 0, valid, DH, True),
-                          BLOCK_S, DH, DTYPE, FAST, WORDS)
-        gk = unscale(tl.load(kg + rows, mask=valid, other=0.0), FAST)
-        if SWAP:  # keys on the MMA's M side (ATTN_SWAP)
-            scores = tl.trans(tl.dot(kt, tl.trans(q), input_precision=PREC))
-        else:
-            scores = tl.dot(q, tl.trans(kt), input_precision=PREC)
-        scores = scores * (gk * sm_scale)[None, :]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = dequant_tile(load_packed(vp, rows, DH // 2, 0, valid, DH, WORDS),
-                          load_scales(vs, rows, DH // 16, 0, valid, DH, True),
-                          BLOCK_S, DH, DTYPE, FAST, WORDS)
-        gv = unscale(tl.load(vg + rows, mask=valid, other=0.0), FAST)
-        pv = (p * gv[None, :]).to(DTYPE)
-        if SWAP:
-            acc = tl.trans(tl.dot(tl.trans(vt), tl.trans(pv), tl.trans(acc * alpha[:, None]), input_precision=PREC))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=PREC)
-        m_i = m_new
+    full_end = lo + (hi - lo) // BLOCK_S * BLOCK_S  # whole key blocks, then at most one partial block
+    for s0 in range(lo, full_end, BLOCK_S):
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, s0, hi, base, sm_scale, kp, ks, kg, vp, vs, vg, DH, BLOCK_S,
+                                      DTYPE, PREC, FAST, WORDS, SWAP, TILES, False)
+    if full_end < hi:
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, full_end, hi, base, sm_scale, kp, ks, kg, vp, vs, vg, DH,
+                                      BLOCK_S, DTYPE, PREC, FAST, WORDS, SWAP, TILES, True)
     part = (bht * NUM_SPLITS + split) * G + gi
+    if TILES:
+        d = value_tile_dims(DH)
     tl.store(o_ptr + part[:, None] * DH + d[None, :], acc, mask=gi[:, None] < G)
     tl.store(m_ptr + part, m_i, mask=gi < G)
     tl.store(l_ptr + part, l_i, mask=gi < G)
@@ -253,8 +403,8 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
                          f"{layer.shape} (head_dim must be a power of two)")
     G = Hq // Hkv
     fast = fast_dequant(q.dtype, q.device)
-    if layer.words and not fast:  # only the fast decoder reads words: an exact stored-order copy for the rest
-        layer = layer.stored_order()
+    if layer.words and not fast:  # only the fast decoder reads words: exact stored-order keys (and values) for the rest
+        layer = layer.stored_keys() if layer.value_tiles else layer.stored_order()
     tune = autotune_on(q.device)
     unit = 128 if tune else ATTN_BLOCK_S  # whole (autotuned) key blocks per split
     splits = num_splits or attention_splits(B * Hkv * T, S, unit, q.device)
@@ -273,10 +423,12 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
     dt, prec = mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device)
     pdl = grid_dependency(q.device)
     if tune:
-        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, SWAP=ATTN_SWAP, **pdl)
+        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, SWAP=ATTN_SWAP,
+                                 TILES=layer.value_tiles, **pdl)
     else:
         _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words,
-                                           SWAP=ATTN_SWAP, num_warps=warps, num_stages=stages, **pdl)
+                                           SWAP=ATTN_SWAP, TILES=layer.value_tiles, num_warps=warps,
+                                           num_stages=stages, **pdl)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
                                   num_warps=4, **pdl)

@@ -22,6 +22,13 @@ def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: b
     return fast_dequant(dtype, torch.device(device))
 
 
+def prefers_value_tiles(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether the FP4 KV cache holds its values in value tiles (trace_lightning/quant/kv_tiles.py): where the fast
+    decoder runs, unless TRACE_LIGHTNING_KV_TILES=0. The decode attention then takes each V tile as its MMA
+    operand straight from the decoder instead of transposing it through shared memory."""
+    return os.environ.get("TRACE_LIGHTNING_KV_TILES", "1") != "0" and fast_dequant(dtype, torch.device(device))
+
+
 def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
     """The weight as the Triton GEMMs read it fastest: the word layout where the packed bf16x2 decoder runs
     (CUDA, bf16 compute, last dim divisible by 4 bytes), in tiles where its shape splits into them; q unchanged

@@ -74,8 +74,10 @@ class FP4KVCache(KVCache):
         self.fused_attention = fused_attention and fmt.kind == "nvfp4"
         if fmt.kind == "nvfp4":
             words = self.fused_attention and ops.prefers_word_layout(dtype, device, cache=True)
+            tiles = self.fused_attention and ops.prefers_value_tiles(dtype, device)
             self.layers: dict[int, FP4KVLayer] = {
-                i: FP4KVLayer.allocate(batch, config.n_kv_heads, max_len, config.head_dim, device=device, words=words)
+                i: FP4KVLayer.allocate(batch, config.n_kv_heads, max_len, config.head_dim, device=device, words=words,
+                                       value_tiles=tiles)
                 for i in fp4_layers}
         else:
             self.mx: dict[int, tuple[RowBuffer, RowBuffer]] = {

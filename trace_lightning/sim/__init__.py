@@ -4,7 +4,7 @@ Same signatures as trace_lightning.kernels; pick one through trace_lightning.ops
 `*` (e.g. compute_dtype) exist only here: they model how production kernels' numerics differ from the trainer.
 """
 
-from trace_lightning.sim._weights import prefers_word_layout, prepare_weight
+from trace_lightning.sim._weights import prefers_value_tiles, prefers_word_layout, prepare_weight
 from trace_lightning.sim.kv import fp4_kv_attention, kv_append
 from trace_lightning.sim.linear import fp4_linear
 from trace_lightning.sim.moe import fp4_moe
@@ -26,6 +26,7 @@ __all__ = [
     "fp4_moe",
     "kv_append",
     "pack_parity",
+    "prefers_value_tiles",
     "prefers_word_layout",
     "prepare_weight",
     "quantize_mxfp4",

@@ -55,3 +55,8 @@ def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
 def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: bool = False) -> bool:
     """The sim decodes codes from the stored order: no FP4 tensor is worth permuting for it."""
     return False
+
+
+def prefers_value_tiles(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """The sim reads the KV cache's values in stored order (it writes and reads value tiles too, slowly)."""
+    return False

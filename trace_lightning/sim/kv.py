@@ -7,6 +7,7 @@ from torch import Tensor
 
 from trace_lightning.ops import FP4KVLayer
 from trace_lightning.quant import NVFP4
+from trace_lightning.quant.kv_tiles import from_value_tiles, to_value_tiles
 from trace_lightning.quant.words import to_word_layout
 from trace_lightning.sim.quantize import quantize_nvfp4_rows
 
@@ -35,7 +36,14 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
     check_kv_args(layer, k, v, positions)
     qk, qv = quantize_nvfp4_rows(k), quantize_nvfp4_rows(v)
     _write(layer.k_packed, layer.k_scales, layer.k_global, qk, positions, layer.words)
-    _write(layer.v_packed, layer.v_scales, layer.v_global, qv, positions, layer.words)
+    if layer.value_tiles:  # through the stored order: a reference, not fast (every append converts the cache twice)
+        packed, scales = from_value_tiles(layer.v_packed, layer.v_scales)
+        _write(packed, scales, layer.v_global, qv, positions, False)
+        packed, scales = to_value_tiles(packed, scales)
+        layer.v_packed.copy_(packed)
+        layer.v_scales.copy_(scales)
+    else:
+        _write(layer.v_packed, layer.v_scales, layer.v_global, qv, positions, layer.words)
     return qk, qv
 
 
