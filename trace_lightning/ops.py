@@ -71,6 +71,11 @@ class FP4KVLayer:
     words: bool = False
     value_tiles: bool = False
 
+    def __post_init__(self) -> None:
+        if self.value_tiles and self.v_packed.shape[2] % VALUE_TILE_KEYS:
+            raise ValueError(f"a cache with value tiles holds a multiple of {VALUE_TILE_KEYS} positions, got "
+                             f"{self.v_packed.shape[2]} (FP4KVLayer.allocate rounds max_len up)")
+
     @classmethod
     def allocate(cls, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  device: torch.device | str = "cpu", words: bool = False, value_tiles: bool = False) -> FP4KVLayer:

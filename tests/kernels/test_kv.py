@@ -149,6 +149,12 @@ def test_value_tile_cache_append_and_attention(device: str) -> None:
         assert torch.equal(out, kv_attention(q, plain, q_pos, Dh**-0.5, splits))
 
 
+def test_value_tile_cache_rejects_a_partial_tile() -> None:
+    layer = FP4KVLayer.allocate(1, 1, 16, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        FP4KVLayer(*(t[:, :, :10] for t in layer.tensors()), value_tiles=True)
+
+
 def test_value_tiles_where_the_fast_decoder_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRACE_LIGHTNING_KV_TILES", raising=False)
     assert kernels.prefers_value_tiles(torch.bfloat16, "cuda")

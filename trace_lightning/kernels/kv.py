@@ -5,7 +5,9 @@ head's keys as long unit-stride runs, and the engine's rollouts have a fixed max
 little here. Keys and values are dequantized in registers as code * block scale (exact in bf16); the
 per-token-head global scale is folded into the scores (keys) and into the probabilities (values), so
 no rounding is added beyond the bf16 MMA operands. Long contexts are split over programs (flash-decoding)
-and merged by a second small kernel.
+and merged by a second small kernel. With the values in value tiles (trace_lightning/quant/kv_tiles.py) the
+decoded V words are the P V MMA's operand as they come (two keys per register, in its lane order); in rows they
+had to be transposed through shared memory, which bounded the loop (H200, B=250 / 16K: 43 -> 65% of 4.25 TB/s).
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ if TYPE_CHECKING:
     from trace_lightning.ops import FP4KVLayer
 
 
-HALF_WORD_LO, HALF_WORD_HI = (tl.constexpr(m) for m in half_word_masks())
-_POW2_126 = tl.constexpr(2.0**126)  # a value-tile word's two keys' bits
+HALF_WORD_LO, HALF_WORD_HI = (tl.constexpr(m) for m in half_word_masks())  # a value-tile word's two keys' bits
+_POW2_126 = tl.constexpr(2.0**126)  # the word decoder's code * 2^-126 (read as float32) -> code
 
 
 @triton.jit
@@ -184,10 +186,10 @@ def _tile_scales(word, shift: tl.constexpr, valid, FAST: tl.constexpr, MASKED: t
 @triton.jit
 def _value_tile_t(vp, vs, base, s0, hi, DH: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr,
                   FAST: tl.constexpr, MASKED: tl.constexpr = True):
-    """V^T [DH, BLOCK_S] of keys s0 .. s0 + BLOCK_S (zero from hi on) from the value tiles of a cache whose head starts
-    at row `base` (trace_lightning/quant/kv_tiles.py). Rows come in the order r = (4 i + c) * NB + g, i.e. row r holds
-    d = 16 g + 4 c + i (value_tile_dims): a thread's rows are then exactly the 16 head dimensions of its 4 words, and
-    its key pairs the MMA's, so the decoded tile is the MMA operand with no shared-memory transpose."""
+    """V^T [DH, BLOCK_S] of keys s0 .. s0 + BLOCK_S (MASKED: zero from hi on) from the value tiles of a cache whose
+    head starts at row `base` (trace_lightning/quant/kv_tiles.py). Rows come in the order r = (4 i + c) * NB + g,
+    i.e. row r holds d = 16 g + 4 c + i (value_tile_dims): a thread's rows are then exactly the 16 head dimensions of
+    its 4 words, and its key pairs the MMA's, so the decoded tile is the MMA operand with no shared-memory transpose."""
     NB: tl.constexpr = DH // 16
     BT: tl.constexpr = BLOCK_S // 16
     bt = tl.arange(0, BT)
