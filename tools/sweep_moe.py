@@ -1,4 +1,5 @@
-"""Fused FP4 MoE launch sweep: gate/up (block_n, K tile, warps, stages), down (block_n, warps, stages), align.
+"""Fused FP4 MoE launch sweep: gate/up (block_n, K tile, warps, stages), down (block_n, warps, stages), align (sort
+by warps, and by atomic cursors).
 
 Run: python tools/sweep_moe.py   (CUDA only; graph-replayed median us of the whole fp4_moe call at decode sizes)
 Each GEMM is varied with the other at its default (they run one after the other, so their times add);
@@ -61,6 +62,11 @@ def main() -> None:
             align[warps] = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
         moe_kernels.ALIGN_WARPS = None
         print(f"N={N} align_pairs us by warps: " + ", ".join(f"{w}: {us:.1f}" for w, us in align.items()), flush=True)
+        moe_kernels.ALIGN_ATOMIC = True  # pairs placed by atomic cursors instead of the sort (TRACE_LIGHTNING_ALIGN)
+        atomic = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
+        whole = graph_ms(call) * 1e3
+        moe_kernels.ALIGN_ATOMIC = False
+        print(f"N={N} align_pairs by atomic cursors: {atomic:.1f} us; fp4_moe with it {whole:.0f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,62 @@ def test_align_pairs_in_chunks(device: str, monkeypatch: pytest.MonkeyPatch) -> 
     assert block_expert.cpu().tolist() == owners
 
 
+def _runs(slots: list, owners: list, block_m: int, P: int) -> list:
+    """Per tile: (its expert, the sorted real pair ids in it), padding dropped."""
+    return [(owner, sorted(p for p in slots[i * block_m:(i + 1) * block_m] if p < P)) for i, owner in enumerate(owners)]
+
+
+@pytest.mark.parametrize(("tokens", "k", "experts", "block_m"), [(64, 8, 128, 16), (300, 2, 8, 64), (37, 8, 64, 16)])
+def test_align_pairs_by_atomic_cursors(device: str, monkeypatch: pytest.MonkeyPatch, tokens: int, k: int,
+                                       experts: int, block_m: int) -> None:
+    """TRACE_LIGHTNING_ALIGN=atomic: the same tiles and padding as the stable sort, each expert's pairs in some
+    order (the cursors' arrival order on a GPU): an expert with more than block_m pairs may spread them differently
+    over its tiles, so the tiles of one expert are compared together."""
+    monkeypatch.setattr(moe_kernels, "ALIGN_ATOMIC", True)
+    gen = torch.Generator().manual_seed(tokens + experts)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    sorted_ids, block_expert, blocks = align_pairs(ids.to(device), experts, block_m)
+    slots, owners = reference_alignment(ids.reshape(-1), experts, block_m, blocks)
+    assert block_expert.cpu().tolist() == owners
+    P = ids.numel()
+    got, want = sorted_ids.cpu().tolist(), slots
+
+    def by_expert(s: list) -> dict:
+        out: dict = {}
+        for owner, pairs in _runs(s, owners, block_m, P):
+            out.setdefault(owner, []).extend(pairs)
+        return {e: sorted(p) for e, p in out.items()}
+
+    assert by_expert(got) == by_expert(want)
+    assert [p >= P for p in got] == [p >= P for p in want]  # padding in the same slots
+
+
+def test_fp4_moe_does_not_depend_on_the_order_within_an_expert(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What lets the alignment place pairs by atomics: with every expert's pairs reversed in their tiles, fp4_moe's
+    output and moe_down record are bit-identical."""
+    x, w13, w2, ids, weights = problem(40, 64, 48, 4, 3, device, seed=11)
+    out, q = kernels.fp4_moe(x, w13, w2, ids, weights)
+    original = moe_kernels.align_pairs
+
+    def reversed_runs(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        sorted_ids, block_expert, blocks = original(topk_ids, experts, block_m)
+        P, slots, owners = topk_ids.numel(), sorted_ids.tolist(), block_expert.tolist()
+        i = 0
+        while i < blocks and owners[i] < experts:  # an expert's run: its consecutive tiles
+            j = i
+            while j < blocks and owners[j] == owners[i]:
+                j += 1
+            real = [p for p in slots[i * block_m:j * block_m] if p < P]
+            slots[i * block_m:i * block_m + len(real)] = real[::-1]
+            i = j
+        return torch.tensor(slots, dtype=sorted_ids.dtype, device=sorted_ids.device), block_expert, blocks
+
+    monkeypatch.setattr(moe_kernels, "align_pairs", reversed_runs)
+    out_rev, q_rev = kernels.fp4_moe(x, w13, w2, ids, weights)
+    assert torch.equal(out, out_rev)
+    assert torch.equal(q.packed, q_rev.packed) and torch.equal(q.scale_bytes(), q_rev.scale_bytes())
+
+
 @pytest.mark.parametrize("quantize_h", [True, False])
 @pytest.mark.parametrize("shape", [(9, 64, 48, 6, 2), (40, 32, 32, 4, 3), (12, 256, 128, 4, 2)])  # last: K tiles even
 def test_fp4_moe_matches_sim(device: str, quantize_h: bool, shape: tuple[int, ...]) -> None:
@@ -106,7 +162,7 @@ def test_backends_expose_the_same_ops() -> None:
 
     names = ("quantize_nvfp4", "quantize_nvfp4_rows", "fake_quantize_nvfp4_rows", "quantize_mxfp4", "pack_parity",
              "fp4_linear", "fp4_moe", "kv_append", "fp4_kv_attention", "prepare_weight",
-             "prefers_word_layout")
+             "prefers_word_layout", "prefers_value_tiles")
     for name in names:
         positional = [p for p in inspect.signature(getattr(sim, name)).parameters.values()
                       if p.kind is not inspect.Parameter.KEYWORD_ONLY]  # sim-only numerics options are keyword-only

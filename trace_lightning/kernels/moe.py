@@ -12,6 +12,8 @@ deterministic reduction.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,12 +42,16 @@ from trace_lightning.sim._weights import global_strides
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = 0):
+def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, cursor_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, ATOMIC: tl.constexpr = False,
+                  PDL: tl.constexpr = 0):
     """One program: histogram the pairs' experts, pad each expert's run to BLOCK_M, label every tile with its
     expert, then place each chunk of BLOCK_P pairs by sorting it on (expert, pair): a pair's slot is its
     sorted position plus its expert's offset (start of the expert's run + pairs of earlier chunks - the
-    chunk's pairs of earlier experts), so the order within an expert is the pairs' order (stable)."""
+    chunk's pairs of earlier experts), so the order within an expert is the pairs' order (stable).
+    ATOMIC: a pair's slot is instead an atomic increment of its expert's cursor (cursor_ptr, int32 [E]), in no
+    fixed order within the expert; the GEMMs compute every pair's row on its own and the slots are summed in top-k
+    order, so their outputs do not depend on that order."""
     await_previous_grid(PDL)
     ev = tl.arange(0, BLOCK_E)
     pv = tl.arange(0, BLOCK_P)
@@ -68,24 +74,36 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.c
         ends = tl.histogram(t, BLOCK_S, mask=(ev < E) & (t >= 0) & (t < BLOCK_S))
         tl.store(bexp_ptr + b0 + sv, ended + tl.cumsum(ends, axis=0), mask=b0 + sv < NUM_BLOCKS)
         ended += tl.sum(ends, axis=0)
-    tl.debug_barrier()  # the padding stores land before any thread's pair stores
-    seen = tl.zeros((BLOCK_E,), tl.int32)
-    for p0 in range(0, P, BLOCK_P):
-        live = p0 + pv < P
-        e = tl.load(ids_ptr + p0 + pv, mask=live, other=E).to(tl.int32)  # pairs past P sort last
-        chunk = tl.histogram(tl.where(live, e, 0), BLOCK_E, mask=live)  # every bin index in range, masked or not
-        order = tl.sort(e * BLOCK_P + pv)  # (expert, index in chunk), ascending
-        expert = order // BLOCK_P
-        shift = start + seen - (tl.cumsum(chunk, axis=0) - chunk)
-        slot = pv + tl.gather(shift, tl.minimum(expert, E - 1), 0)
-        tl.store(sorted_ptr + slot, (p0 + order % BLOCK_P).to(tl.int64), mask=expert < E)
-        seen += chunk
+    if ATOMIC:
+        tl.store(cursor_ptr + ev, start, mask=ev < E)
+    tl.debug_barrier()  # the padding (and cursor) stores land before any thread's pair stores
+    if ATOMIC:
+        for p0 in range(0, P, BLOCK_P):
+            live = p0 + pv < P
+            e = tl.load(ids_ptr + p0 + pv, mask=live, other=0).to(tl.int32)
+            slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK_P,), 1, tl.int32), mask=live, sem="relaxed")
+            tl.store(sorted_ptr + slot, (p0 + pv).to(tl.int64), mask=live)
+    else:
+        seen = tl.zeros((BLOCK_E,), tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            live = p0 + pv < P
+            e = tl.load(ids_ptr + p0 + pv, mask=live, other=E).to(tl.int32)  # pairs past P sort last
+            chunk = tl.histogram(tl.where(live, e, 0), BLOCK_E, mask=live)  # every bin index in range, masked or not
+            order = tl.sort(e * BLOCK_P + pv)  # (expert, index in chunk), ascending
+            expert = order // BLOCK_P
+            shift = start + seen - (tl.cumsum(chunk, axis=0) - chunk)
+            slot = pv + tl.gather(shift, tl.minimum(expert, E - 1), 0)
+            tl.store(sorted_ptr + slot, (p0 + order % BLOCK_P).to(tl.int64), mask=expert < E)
+            seen += chunk
 
 
 # warps of the one program that does the whole sort (None: by size); tools/sweep_moe.py times 4 / 8 / 16 on an H200:
 # 4 is best up to 64 tokens x 8 pairs (11.4 / 13.9 us at 128 / 512 pairs), 8 at 2048 pairs (47.9 -> 36.1 us)
 ALIGN_WARPS: int | None = None
 ALIGN_CHUNK = 2048  # pairs sorted at a time (decode batches up to 256 tokens x 8 in one chunk)
+# place pairs by atomic cursors instead of the chunk sort (TRACE_LIGHTNING_ALIGN=atomic; off by default: not yet timed
+# on a GPU; the sort takes 33 us a layer at 2048 pairs on an H200, docs/benchmarks.md v13)
+ALIGN_ATOMIC = os.environ.get("TRACE_LIGHTNING_ALIGN", "sort") == "atomic"
 ALIGN_SLOTS = 1024  # slots / tiles written at a time
 
 
@@ -98,9 +116,10 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
     blocks = triton.cdiv(P, block_m) + min(experts, P)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-    _align_kernel[(1,)](flat, sorted_ids, block_expert, P, experts, blocks, block_m,
+    cursor = torch.empty(experts if ALIGN_ATOMIC else 1, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, sorted_ids, block_expert, cursor, P, experts, blocks, block_m,
                         max(16, min(ALIGN_CHUNK, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(experts)),
-                        ALIGN_SLOTS, num_warps=ALIGN_WARPS or (8 if P > 1024 else 4),
+                        ALIGN_SLOTS, ALIGN_ATOMIC, num_warps=ALIGN_WARPS or (8 if P > 1024 else 4),
                         **grid_dependency(flat.device))
     return sorted_ids, block_expert, blocks
 
