@@ -58,9 +58,9 @@ def sass_of(fn, consts: dict, warps: int, stages: int, out: Path, tag: str) -> d
     (out / f"{tag}.sass").write_text(sass)
     usage = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
-    ops = collections.Counter(op.split(".")[0] for _, op in instructions(sass))
-    loop = loop_ops(sass)
     order = [op.split(".")[0] for _, op in instructions(sass)]
+    ops = collections.Counter(order)
+    loop = loop_ops(sass)
     first_memory = next((i for i, op in enumerate(order) if op.startswith(GLOBAL_MEMORY_OPS)), len(order))
     return {"tag": tag, "regs": int(regs.group(1)) if regs else None, "shared": k.metadata.shared,
             "total": sum(ops.values()), "loop": sum(loop.values()),

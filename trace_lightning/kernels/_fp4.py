@@ -156,6 +156,23 @@ def _word_codes_times_scale(word, scale_pair):
 
 
 @triton.jit
+def word_pair_bits(words):
+    """_word_codes_times_scale without its multiplies, in portable Triton ops: the four masked bit patterns of int32
+    words in the word layout (pair i = the bf16x2 bits of c[2i] * 2^-126, c[2i + 1] * 2^-126)."""
+    w = words.to(tl.uint32, bitcast=True)
+    m = 0x81C081C0
+    return (w & m, _rotl(w, 28) & m, _rotl(w, 22) & m, (_rotl(w, 2) & 0x00400040) | (_rotl(w, 10) & 0x81808180))
+
+
+@triton.jit
+def scale_bf16_bits(scale_bytes):
+    """int32 0..0xFFFF: the bf16 bits of E4M3 scale bytes (uint8) times 2^119, one half of the word decoders' scale
+    pair (a NaN byte stays NaN)."""
+    s = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _POW2_119
+    return s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
 def _split_bf16x2(pair):
     """(lo, hi) bf16 halves of int32 bf16x2 values: a register view, no instruction."""
     return tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pair],
@@ -168,8 +185,7 @@ def _dequant_pairs_bf16(packed, scale_bytes, ROWS: tl.constexpr, COLS: tl.conste
 
     WORDS: `packed` is int32 [ROWS, COLS // 8], words in the kernels' word layout (loaded as int32 so that
     each word's 4 bytes are one register whatever layout the compiler picks for the tile)."""
-    s = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _POW2_119  # NaN scale byte stays NaN
-    half = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    half = scale_bf16_bits(scale_bytes)
     PER_BLOCK: tl.constexpr = 2 if WORDS else 8  # packed elements per 16-code block: words or bytes
     pair = tl.reshape(tl.broadcast_to((half | (half << 16))[:, :, None], (ROWS, COLS // 16, PER_BLOCK)),
                       (ROWS, COLS // 16 * PER_BLOCK))

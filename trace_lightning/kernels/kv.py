@@ -32,7 +32,6 @@ from trace_lightning.kernels._common import (
     tuned,
 )
 from trace_lightning.kernels._fp4 import (
-    _POW2_119,
     _split_bf16x2,
     _word_codes_times_scale,
     abs_bits_max,
@@ -41,9 +40,11 @@ from trace_lightning.kernels._fp4 import (
     e4m3_to_f32,
     load_packed,
     load_scales,
+    scale_bf16_bits,
     to_word_layout,
     unpack_codes,
     unscale,
+    word_pair_bits,
 )
 from trace_lightning.kernels.quantize import nvfp4_tile, row_global_from_bits
 from trace_lightning.quant import NVFP4
@@ -154,28 +155,12 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
 
 
 @triton.jit
-def _rotr(x, n: tl.constexpr):
-    return (x >> n) | (x << (32 - n))
-
-
-@triton.jit
-def _tile_word_bits(words):
-    """The word decoder's four masked bit patterns of int32 words, bf16x2 each (code * 2^-126 in both halves; see
-    _fp4._word_codes_times_scale), for the portable path."""
-    w = words.to(tl.uint32, bitcast=True)
-    m = 0x81C081C0
-    return (w & m, _rotr(w, 4) & m, _rotr(w, 10) & m,
-            (_rotr(w, 30) & 0x00400040) | (_rotr(w, 22) & 0x81808180))
-
-
-@triton.jit
 def _tile_scales(word, shift: tl.constexpr, valid, FAST: tl.constexpr, MASKED: tl.constexpr):
     """The scale byte at `shift` of int32 scale words, 0 where the key is not valid (MASKED): as the bf16 bits of
     scale * 2^119 (FAST, int32 in 0..0xFFFF) or as the float32 scale."""
     byte = ((word >> shift) & 0xFF).to(tl.uint8)
     if FAST:
-        half = (byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _POW2_119).to(tl.bfloat16)
-        value = half.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        value = scale_bf16_bits(byte)
     else:
         value = e4m3_to_f32(byte.to(tl.int32))
     if MASKED:
@@ -225,7 +210,7 @@ def _value_tile_t(vp, vs, base, s0, hi, DH: tl.constexpr, BLOCK_S: tl.constexpr,
         p0, p1, p2, p3 = _word_codes_times_scale(words, s_lo)
         lo, hi_key = _split_bf16x2(tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BT, 2, NB, 4, 4, 4)))
     else:  # code * scale in float32 from the same bits
-        b0, b1, b2, b3 = _tile_word_bits(words)
+        b0, b1, b2, b3 = word_pair_bits(words)
         bits = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (BT, 2, NB, 4, 4, 4))
         s_hi = tl.broadcast_to(s_hi[:, :, :, :, None], (BT, 2, NB, 4, 4))
         lo = (bits << 16).to(tl.float32, bitcast=True) * _POW2_126 * s_lo[:, :, :, :, :, None]
