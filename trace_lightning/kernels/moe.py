@@ -116,7 +116,8 @@ def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, T
     blocks = triton.cdiv(P, block_m) + min(experts, P)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-    cursor = torch.empty(experts if ALIGN_ATOMIC else 1, dtype=torch.int32, device=flat.device)
+    # the atomic placement's per-expert cursors (the sort never reads the pointer: no allocation for it)
+    cursor = torch.empty(experts, dtype=torch.int32, device=flat.device) if ALIGN_ATOMIC else block_expert
     _align_kernel[(1,)](flat, sorted_ids, block_expert, cursor, P, experts, blocks, block_m,
                         max(16, min(ALIGN_CHUNK, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(experts)),
                         ALIGN_SLOTS, ALIGN_ATOMIC, num_warps=ALIGN_WARPS or (8 if P > 1024 else 4),
