@@ -1,13 +1,15 @@
 """Fused FP4 MoE launch sweep: gate/up (block_n, K tile, warps, stages), down (block_n, warps, stages), align (sort
 by warps, and by atomic cursors).
 
-Run: python tools/sweep_moe.py   (CUDA only; graph-replayed median us of the whole fp4_moe call at decode sizes)
+Run: python tools/sweep_moe.py [--align-only]
+(CUDA only; graph-replayed median us of the whole fp4_moe call at decode sizes)
 Each GEMM is varied with the other at its default (they run one after the other, so their times add);
 the defaults are trace_lightning/kernels/moe.py's GATE_UP_LAUNCH and DOWN_LAUNCH.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from functools import partial
@@ -25,6 +27,9 @@ DOWN = [*itertools.product((32, 64, 128), (4, 8), (3,)), (64, 4, 2), (64, 4, 4)]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--align-only", action="store_true", help="time only the alignment (sort and atomic)")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_moe needs a CUDA device")
     torch.manual_seed(0)
@@ -40,7 +45,8 @@ def main() -> None:
         gates = (gates / gates.sum(-1, keepdim=True)).bfloat16()
         call = partial(kernels.fp4_moe, x, q13, q2, ids, gates)
         base = graph_ms(call) * 1e3
-        for name, variants in (("gate_up", GATE_UP), ("down", DOWN)):
+        print(f"N={N} fp4_moe default: {base:.0f} us", flush=True)
+        for name, variants in () if args.align_only else (("gate_up", GATE_UP), ("down", DOWN)):
             results = []
             for v in variants:
                 if name == "gate_up":
