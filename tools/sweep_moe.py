@@ -62,16 +62,19 @@ def main() -> None:
             best = "; ".join(f"{us:.0f} us {v}" for us, v in results[:4])
             print(f"N={N} {name}: default {base:.0f} us; best {best}", flush=True)
         block_m = moe_kernels.moe_config(N * k, E, I, x.device)[0]
-        align = {}
+        align, default_align = {}, moe_kernels.ALIGN_ATOMIC
+        moe_kernels.ALIGN_ATOMIC = False  # the stable sort (TRACE_LIGHTNING_ALIGN=sort) by warps
         for warps in (4, 8, 16):
             moe_kernels.ALIGN_WARPS = warps
             align[warps] = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
         moe_kernels.ALIGN_WARPS = None
-        print(f"N={N} align_pairs us by warps: " + ", ".join(f"{w}: {us:.1f}" for w, us in align.items()), flush=True)
-        moe_kernels.ALIGN_ATOMIC = True  # pairs placed by atomic cursors instead of the sort (TRACE_LIGHTNING_ALIGN)
+        sorted_whole = graph_ms(call) * 1e3
+        print(f"N={N} align_pairs sort us by warps: " + ", ".join(f"{w}: {us:.1f}" for w, us in align.items())
+              + f"; fp4_moe with it {sorted_whole:.0f} us", flush=True)
+        moe_kernels.ALIGN_ATOMIC = True  # pairs placed by atomic cursors (the default)
         atomic = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
         whole = graph_ms(call) * 1e3
-        moe_kernels.ALIGN_ATOMIC = False
+        moe_kernels.ALIGN_ATOMIC = default_align
         print(f"N={N} align_pairs by atomic cursors: {atomic:.1f} us; fp4_moe with it {whole:.0f} us", flush=True)
 
 

@@ -49,7 +49,9 @@ def reference_alignment(flat: torch.Tensor, experts: int, block_m: int, blocks: 
 
 @pytest.mark.parametrize(("tokens", "k", "experts", "block_m"), [(3, 2, 4, 2), (64, 8, 128, 16), (50, 6, 60, 16),
                                                                  (300, 2, 8, 64), (1, 8, 128, 16), (37, 8, 64, 16)])
-def test_align_pairs_is_a_stable_padded_sort(device: str, tokens: int, k: int, experts: int, block_m: int) -> None:
+def test_align_pairs_is_a_stable_padded_sort(device: str, monkeypatch: pytest.MonkeyPatch, tokens: int, k: int,
+                                             experts: int, block_m: int) -> None:
+    monkeypatch.setattr(moe_kernels, "ALIGN_ATOMIC", False)  # TRACE_LIGHTNING_ALIGN=sort
     gen = torch.Generator().manual_seed(tokens * experts + k)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
     sorted_ids, block_expert, blocks = align_pairs(ids.to(device), experts, block_m)
@@ -65,6 +67,7 @@ def test_align_pairs_with_no_pairs(device: str) -> None:
 
 def test_align_pairs_in_chunks(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """More pairs than one sort chunk and more tiles than one store chunk: the running offsets carry over."""
+    monkeypatch.setattr(moe_kernels, "ALIGN_ATOMIC", False)
     monkeypatch.setattr(moe_kernels, "ALIGN_CHUNK", 64)
     monkeypatch.setattr(moe_kernels, "ALIGN_SLOTS", 32)
     gen = torch.Generator().manual_seed(7)

@@ -101,16 +101,16 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, cursor_ptr, P, E, NUM_BLOCKS, B
 # 4 is best up to 64 tokens x 8 pairs (11.4 / 13.9 us at 128 / 512 pairs), 8 at 2048 pairs (47.9 -> 36.1 us)
 ALIGN_WARPS: int | None = None
 ALIGN_CHUNK = 2048  # pairs sorted at a time (decode batches up to 256 tokens x 8 in one chunk)
-# place pairs by atomic cursors instead of the chunk sort (TRACE_LIGHTNING_ALIGN=atomic; off by default: not yet timed
-# on a GPU; the sort takes 33 us a layer at 2048 pairs on an H200, docs/benchmarks.md v13)
-ALIGN_ATOMIC = os.environ.get("TRACE_LIGHTNING_ALIGN", "sort") == "atomic"
+# place pairs by atomic cursors (the default) or by the stable chunk sort (TRACE_LIGHTNING_ALIGN=sort); the order within
+# an expert changes no output. H200, docs/benchmarks.md v14: 45.4 / 36.0 -> 18.9 us at 2048 pairs, 14.1 -> 11.6 at 512
+ALIGN_ATOMIC = os.environ.get("TRACE_LIGHTNING_ALIGN", "atomic") != "sort"
 ALIGN_SLOTS = 1024  # slots / tiles written at a time
 
 
 def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, int]:
-    """Sort (token, slot) pairs by expert into tiles: sorted pair ids [blocks * block_m] (padding = P) and
-    each tile's expert [blocks] (== experts past the last tile). One launch, no host sync: `blocks` is an
-    upper bound."""
+    """Group (token, slot) pairs by expert into tiles: pair ids [blocks * block_m] (padding = P) and each tile's
+    expert [blocks] (== experts past the last tile). Experts in ascending order; within an expert, in pair order
+    (ALIGN_ATOMIC False) or in the cursors' arrival order. One launch, no host sync: `blocks` is an upper bound."""
     flat = topk_ids.reshape(-1).contiguous()
     P = flat.numel()
     blocks = triton.cdiv(P, block_m) + min(experts, P)
