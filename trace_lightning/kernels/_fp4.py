@@ -35,21 +35,43 @@ def abs_bits_max(x, axis: tl.constexpr):
     return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=axis)
 
 
+# 1.5 * 2^22 + 1: a float32 this size has a 0.5 ulp, E2M1's step below 2; its bits end in 2, so that adding 1.0's
+# bits >> 22 (254) leaves the code of min(t, 1) in the low byte (0x4AC00002 + 254 = 0x4AC00100)
+_E2M1_FIXED = tl.constexpr(6291457.0)
+
+
+@triton.jit
+def e2m1_magnitude(t):
+    """(int32 whose low 3 bits are the E2M1 magnitude code, its value float32) of float32 t >= 0 or inf: RNE,
+    saturating at 6. The bits above the code are not zero: mask them.
+
+    Float32 rounding does the work, on the FP pipe (sm_90 issues integer and compare ops at half the FP rate,
+    and the quantizers are bound by them): min(t, 1) + 1.5 * 2^22 rounds to a multiple of 0.5, E2M1's
+    subnormal step, and reads off as 0 / 1 / 2 in the low bits; clamp(t, 1, 6) rounded to two significant
+    bits by Veltkamp's split (t * (2^22 + 1), written so that a fused multiply-add rounds it the same) is
+    E2M1's normal range, whose code is its exponent and top mantissa bit. Each part is exact where the other
+    is clamped, so the codes add. NaN is the caller's to handle."""
+    below = tl.minimum(t, 1.0) + _E2M1_FIXED
+    above = tl.minimum(tl.maximum(t, 1.0), 6.0)
+    gamma = above * 4194304.0 + above
+    rounded = gamma + (above - gamma)
+    code = below.to(tl.int32, bitcast=True) + (rounded.to(tl.int32, bitcast=True) >> 22)
+    return code, (below - _E2M1_FIXED) + (rounded - 1.0)
+
+
+@triton.jit
+def sign_nibble(x):
+    """int32 whose bit 3 is float32 x's sign and bits 4+ are zero (bits 0-2 not: combine as `(c & 7) | (s & -8)`,
+    one three-input logic op)."""
+    return x.to(tl.uint32, bitcast=True) >> 28
+
+
 @triton.jit
 def encode_e2m1(y):
-    """E2M1 codes (int32 0..15) of float32 y: RNE, saturating, -0 keeps its sign, NaN -> 7 (the sim's rule).
-
-    Rounding done by float32 itself instead of seven threshold compares (sm_90 SASS: ~28 -> ~14
-    instructions per element, the quantizers' hot spot). |y| >= 1 is a float with E2M1's one mantissa bit
-    once the bits are rounded to nearest even at bit 22 (the exponent carries on a mantissa overflow), so
-    the code is that exponent-and-bit minus 1.0's, saturated at 7 (6.0); |y| < 1 is E2M1's subnormal
-    range, steps of 0.5, i.e. 2|y| rounded to an integer, which adding 2^23 does (exact: 2|y| < 2)."""
-    b = y.to(tl.int32, bitcast=True)
-    a = b & 0x7FFFFFFF
-    normal = tl.minimum(((a + (0x1FFFFF + ((a >> 22) & 1))) >> 22) - 252, 7)
-    sub = (tl.abs(y) * 2.0 + 8388608.0).to(tl.int32, bitcast=True) & 3
-    code = tl.where(a < 0x3F800000, sub, normal) | ((b >> 28) & 8)
-    return tl.where(a > 0x7F800000, 7, code)
+    """E2M1 codes (int32 0..15) of float32 y: RNE, saturating, -0 keeps its sign, NaN -> 7 (the sim's rule)."""
+    code, _ = e2m1_magnitude(tl.abs(y))
+    code = (code & 7) | (sign_nibble(y).to(tl.int32) & -8)
+    return tl.where((y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000, 7, code)
 
 
 @triton.jit

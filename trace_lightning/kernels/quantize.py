@@ -16,12 +16,12 @@ from trace_lightning.kernels._common import grid_dependency, sm_count
 from trace_lightning.kernels._fp4 import (
     abs_bits_max,
     await_previous_grid,
-    e2m1_to_f16_scaled,
+    e2m1_magnitude,
     e4m3_round_byte,
     e4m3_to_f32,
     encode_e2m1,
     pack_codes,
-    unpack_codes,
+    sign_nibble,
 )
 from trace_lightning.quant import MXFP4, NVFP4
 from trace_lightning.quant.mxfp4 import check_mx_mode
@@ -74,62 +74,135 @@ def row_global_from_bits(amax_bits, RECIP: tl.constexpr):
 
 
 @triton.jit
+def nvfp4_block_scales(amax_bits, g, inv_g, HAS_GLOBAL: tl.constexpr, RECIP: tl.constexpr):
+    """Blocks' E4M3 scale bytes, 1 / (global * scale) and bad-block flags (NaN / inf in the block or its global) from
+    abs_bits_max keys amax_bits and their row globals g, 1 / g (broadcast against amax_bits)."""
+    bad = amax_bits >= 0x7F800000
+    bs = div_scalar(amax_bits.to(tl.float32, bitcast=True), 6.0, INV_6, RECIP)
+    if HAS_GLOBAL:
+        bs = tl.math.div_rn(bs, tl.broadcast_to(g, bs.shape))
+        bad = bad | ~(tl.abs(g) < float("inf"))
+    byte = e4m3_round_byte(tl.minimum(tl.maximum(bs, 0.015625), 448.0))
+    bad = bad | (bs != bs)
+    byte = tl.where(bad, 0x7F, byte)
+    s = e4m3_to_f32(byte)
+    if HAS_GLOBAL:
+        r = tl.math.div_rn(tl.broadcast_to(inv_g, s.shape), s)
+    else:
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    return byte, r, bad
+
+
+@triton.jit
 def nvfp4_tile(x, g, inv_g, HAS_GLOBAL: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_K: tl.constexpr):
     """Quantize a float32 tile [BLOCK_R, BLOCK_K] with row globals g [BLOCK_R] (1/g given):
     -> (packed uint8 [BLOCK_R, BLOCK_K // 2], scale bytes int32 [BLOCK_R, BLOCK_K // 16])."""
     NB: tl.constexpr = BLOCK_K // 16
     xb = tl.reshape(x, (BLOCK_R, NB, 16))
-    amax_bits = abs_bits_max(xb, 2)
-    bad = amax_bits >= 0x7F800000  # NaN or inf in the block
-    bs = div_scalar(amax_bits.to(tl.float32, bitcast=True), 6.0, INV_6, RECIP)
-    if HAS_GLOBAL:
-        bs = tl.math.div_rn(bs, g[:, None])
-        bad = bad | ~(tl.abs(g) < float("inf"))[:, None]
-    byte = e4m3_round_byte(tl.minimum(tl.maximum(bs, 0.015625), 448.0))
-    byte = tl.where(bad | (bs != bs), 0x7F, byte)
-    s = e4m3_to_f32(byte)
-    if HAS_GLOBAL:
-        r = tl.math.div_rn(tl.broadcast_to(inv_g[:, None], (BLOCK_R, NB)), s)
-    else:
-        r = tl.math.div_rn(tl.full((BLOCK_R, NB), 1.0, tl.float32), s)
+    byte, r, _ = nvfp4_block_scales(abs_bits_max(xb, 2), g[:, None], inv_g[:, None], HAS_GLOBAL, RECIP)
     codes = tl.reshape(encode_e2m1(xb * r[:, :, None]), (BLOCK_R, BLOCK_K))
     return pack_codes(codes, BLOCK_R, BLOCK_K), byte
 
 
 @triton.jit
-def _nvfp4_chunk(x, k0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr,
-                 DEQUANT: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Quantize the loaded float32 chunk x = columns k0 .. k0 + BLOCK_K of `rows` and store its bytes."""
-    NB: tl.constexpr = BLOCK_K // 16
-    packed, byte = nvfp4_tile(x, g, inv_g, MODE != 0, RECIP, BLOCK_R, BLOCK_K)
-    ok = rows[:, None] < R
-    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], packed, mask=ok & (half[None, :] < K // 2))
-    nb = k0 // 16 + tl.arange(0, NB)
-    tl.store(scales_ptr + rows[:, None] * (K // 16) + nb[None, :], byte.to(tl.uint8), mask=ok & (nb[None, :] < K // 16))
-    if DEQUANT != DEQUANT_NONE:  # NVFP4.dequantize's order, value * (scale * global), then the cast (exact without)
-        cols = k0 + tl.arange(0, BLOCK_K)
-        values = e2m1_to_f16_scaled(unpack_codes(packed, BLOCK_R, BLOCK_K)).to(tl.float32) * 16384.0
-        mult = e4m3_to_f32(byte)
-        if DEQUANT == DEQUANT_WITH_GLOBAL:
-            mult = mult * g[:, None]
-        dq = tl.reshape(tl.reshape(values, (BLOCK_R, NB, 16)) * mult[:, :, None], (BLOCK_R, BLOCK_K))
-        tl.store(dq_ptr + rows[:, None] * K + cols[None, :], dq.to(dq_ptr.dtype.element_ty),
-                 mask=ok & (cols[None, :] < K))
+def block_offsets(rows, k0, K, PARTS: tl.constexpr, NB: tl.constexpr):
+    """(element offsets, columns) [NB, BLOCK_R, PARTS, 8] into a row-major [R, K] tensor: part p of block b of
+    row r is columns k0 + 8 PARTS b + 8 p .. + 8. Triton's blocked layout gives threads to the contiguous axis,
+    then to the others in axis order: blocks, rows, parts. So the parts of a block are repeats in one thread,
+    each 8 contiguous elements one 16-byte load, and a block's scale is computed once, by the thread that
+    holds it, without shuffles (blocks as the second axis would split each over two threads)."""
+    b = tl.arange(0, NB)[:, None, None, None]
+    p = tl.arange(0, PARTS)[None, None, :, None]
+    j = tl.arange(0, 8)[None, None, None, :]
+    cols = k0 + b * (8 * PARTS) + p * 8 + j
+    return rows[None, :, None, None].to(tl.int64) * K + cols, cols
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
+def block_amax_bits(x):
+    """abs_bits_max's key of each block of a block_offsets tile [NB, BLOCK_R, PARTS, 8] -> [NB, BLOCK_R], from a
+    float max of |x| (one compare an element, where the integer key also needs a mask an element) and a NaN probe,
+    sum |x| * 2^-10 on the FP pipe: NaN exactly when a NaN is there (no inf - inf among magnitudes), finite for
+    finite blocks (16 * 2^128 * 2^-10 < 2^128). The float max skips NaNs (or not, under the interpreter): the
+    probe decides, and any key above inf's means NaN to every consumer."""
+    ax = tl.abs(x)
+    probe = tl.sum(tl.sum(ax * 0.0009765625, 3), 2)
+    amax = tl.max(tl.max(ax, 3), 2)
+    return tl.where(probe == probe, amax.to(tl.int32, bitcast=True), 0x7FC00000)
+
+
+@triton.jit
+def block_words(x, r, bad, NAN_SAFE: tl.constexpr):
+    """(E2M1 code words int32 [NB, BLOCK_R, PARTS]: part p's 8 codes, element j in nibble j; the codes' signed
+    values float32 [NB, BLOCK_R, PARTS, 8]) of a block_offsets tile x times its blocks' r [NB, BLOCK_R].
+    Blocks flagged bad (NaN / inf in an NVFP4 block: r is NaN) are all 7s, as x * NaN encodes, at one select a
+    word; with NAN_SAFE each element is checked instead (bad None): for an r that can overflow to inf (x = 0 then
+    gives NaN) or MXFP4's r = 0 of a bad block (x / inf, whose NaNs are its inf and NaN elements)."""
+    y = x * r[:, :, None, None]
+    mag, value = e2m1_magnitude(tl.abs(y))
+    code = (mag & 7) | (sign_nibble(x).to(tl.int32) & -8)
+    if NAN_SAFE:
+        code = tl.where(y != y, 7, code)
+    j = tl.arange(0, 8)[None, None, None, :]
+    words = tl.sum(code << (4 * j), axis=3)
+    value = (value.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32,
+                                                                                                  bitcast=True)
+    if bad is not None:
+        words = tl.where(bad[:, :, None], 0x77777777, words)
+    return words, value
+
+
+@triton.jit
+def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr,
+                 DEQUANT: tl.constexpr, RECIP: tl.constexpr, NB: tl.constexpr, amax_bits=None):
+    """Quantize the loaded block_offsets tile x (float32, blocks k0 / 16 ..) of `rows` and store its bytes; amax_bits:
+    its blocks' keys when the caller already has them."""
+    if amax_bits is None:
+        amax_bits = block_amax_bits(x)
+    byte, r, bad = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], MODE != 0, RECIP)
+    words, value = block_words(x, r, None if MODE == 1 else bad, MODE == 1)
+    _store_words(words_ptr, words, rows, k0, R, K, 2, NB)
+    nb = k0 // 16 + tl.arange(0, NB)
+    tl.store(scales_ptr + rows[None, :].to(tl.int64) * (K // 16) + nb[:, None], byte.to(tl.uint8),
+             mask=(rows[None, :] < R) & (nb[:, None] < K // 16))
+    if DEQUANT != DEQUANT_NONE:  # NVFP4.dequantize's order, value * (scale * global), then the cast (exact without)
+        mult = e4m3_to_f32(byte)
+        if DEQUANT == DEQUANT_WITH_GLOBAL:
+            mult = mult * g[None, :]
+        offs, cols = block_offsets(rows, k0, K, 2, NB)
+        tl.store(dq_ptr + offs, (value * mult[:, :, None, None]).to(dq_ptr.dtype.element_ty),
+                 mask=(rows[None, :, None, None] < R) & (cols < K))
+
+
+@triton.jit
+def _store_words(words_ptr, words, rows, k0, R, K, PARTS: tl.constexpr, NB: tl.constexpr):
+    """block_words' words [NB, BLOCK_R, PARTS] into the packed bytes of row-major [R, K] viewed as int32."""
+    word = k0 // 8 + tl.arange(0, NB)[:, None, None] * PARTS + tl.arange(0, PARTS)[None, None, :]
+    tl.store(words_ptr + rows[None, :, None].to(tl.int64) * (K // 8) + word, words,
+             mask=(rows[None, :, None] < R) & (word < K // 8))
+
+
+@triton.jit
+def _load_blocks(x_ptr, rows, k0, R, K, PARTS: tl.constexpr, NB: tl.constexpr):
+    offs, cols = block_offsets(rows, k0, K, PARTS, NB)
+    return tl.load(x_ptr + offs, mask=(rows[None, :, None, None] < R) & (cols < K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
                   RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
+    NB: tl.constexpr = BLOCK_K // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    if ONE_PASS:  # whole rows in one chunk: x is read once, the row amax included
-        x = load_chunk(x_ptr, rows, 0, R, K, BLOCK_K)
+    amax_bits = None
+    if ONE_PASS:  # whole rows in one chunk: x is read once, the row amax (from the blocks' amaxes) included
+        x = _load_blocks(x_ptr, rows, 0, R, K, 2, NB)
+        amax_bits = block_amax_bits(x)
     if MODE == 2:
         if ONE_PASS:
-            g = row_global_from_bits(abs_bits_max(x, 1), RECIP)
+            g = row_global_from_bits(tl.max(amax_bits, 0), RECIP)
         else:
             g = row_global(x_ptr, R, K, rows, RECIP, BLOCK_R, BLOCK_K)
         tl.store(g_ptr + rows, g, mask=rows < R)
@@ -137,12 +210,12 @@ def _nvfp4_kernel(x_ptr, g_ptr, packed_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.c
         g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
     inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
     if ONE_PASS:
-        _nvfp4_chunk(x, 0, rows, g, inv_g, packed_ptr, scales_ptr, dq_ptr, R, K, MODE, DEQUANT, RECIP,
-                     BLOCK_R, BLOCK_K)
+        _nvfp4_chunk(x, 0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, MODE, DEQUANT, RECIP, NB,
+                     amax_bits)
     else:
         for k0 in range(0, K, BLOCK_K):
-            _nvfp4_chunk(load_chunk(x_ptr, rows, k0, R, K, BLOCK_K), k0, rows, g, inv_g, packed_ptr, scales_ptr,
-                         dq_ptr, R, K, MODE, DEQUANT, RECIP, BLOCK_R, BLOCK_K)
+            _nvfp4_chunk(_load_blocks(x_ptr, rows, k0, R, K, 2, NB), k0, rows, g, inv_g, words_ptr, scales_ptr,
+                         dq_ptr, R, K, MODE, DEQUANT, RECIP, NB)
 
 
 @triton.jit
@@ -165,14 +238,14 @@ def _rceil_exponent(v):
 
 
 @triton.jit
-def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP: tl.constexpr,
+def _mxfp4_kernel(x_ptr, words_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     NB: tl.constexpr = BLOCK_K // 32
     for k0 in range(0, K, BLOCK_K):
-        xb = tl.reshape(load_chunk(x_ptr, rows, k0, R, K, BLOCK_K), (BLOCK_R, NB, 32))
-        amax_bits = abs_bits_max(xb, 2)
+        x = _load_blocks(x_ptr, rows, k0, R, K, 4, NB)
+        amax_bits = block_amax_bits(x)
         bad = amax_bits >= 0x7F800000  # NaN or inf in the block (whose scale byte then is 255)
         amax = amax_bits.to(tl.float32, bitcast=True)
         if RCEIL:
@@ -186,13 +259,11 @@ def _mxfp4_kernel(x_ptr, packed_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECI
             biased = tl.where(bad, 255, tl.minimum(tl.maximum(exp, -127), 128) + 127)
             r = ((254 - tl.maximum(biased, 1)) << 23).to(tl.float32, bitcast=True)  # 1 / max(scale, 2^-126)
             r = tl.where(biased == 255, 0.0, r)  # x / inf
-        codes = tl.reshape(encode_e2m1(xb * r[:, :, None]), (BLOCK_R, BLOCK_K))
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(packed_ptr + rows[:, None] * (K // 2) + half[None, :], pack_codes(codes, BLOCK_R, BLOCK_K),
-                 mask=(rows[:, None] < R) & (half[None, :] < K // 2))
+        words, _ = block_words(x, r, None, True)
+        _store_words(words_ptr, words, rows, k0, R, K, 4, NB)
         nb = k0 // 32 + tl.arange(0, NB)
-        tl.store(scales_ptr + rows[:, None] * (K // 32) + nb[None, :], biased.to(tl.uint8),
-                 mask=(rows[:, None] < R) & (nb[None, :] < K // 32))
+        tl.store(scales_ptr + rows[None, :].to(tl.int64) * (K // 32) + nb[:, None], biased.to(tl.uint8),
+                 mask=(rows[None, :] < R) & (nb[:, None] < K // 32))
 
 
 @triton.jit
@@ -234,7 +305,8 @@ def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
     g_rows = torch.empty(R, dtype=torch.float32, device=x.device) if g is None else g
     block_r, block_k, warps = _launch_shape(R, K, x.device)
     dequant = DEQUANT_NONE if dq is None else dequant
-    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, packed, scales, packed if dq is None else dq, R, K, mode,
+    words = packed.view(torch.int32)  # the kernel stores 8 codes a word
+    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, words, scales, packed if dq is None else dq, R, K, mode,
                                               dequant.value, x.device.type == "cuda", block_k >= K, block_r,
                                               block_k, num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
@@ -283,7 +355,8 @@ def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 32, dtype=torch.uint8, device=x.device)
     block_r, block_k, warps = _launch_shape(R, K, x.device)
-    _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed, scales, R, K, mode == "rceil", x.device.type == "cuda",
+    _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed.view(torch.int32), scales, R, K, mode == "rceil",
+                                              x.device.type == "cuda",
                                               block_r, block_k, num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return MXFP4(packed=packed.view(*lead, K // 2), scales=scales.view(*lead, K // 32).view(torch.float8_e8m0fnu),
