@@ -120,6 +120,35 @@ def test_mxfp4_random_and_special_bytes(device: str, mode: str) -> None:
         assert_same(kernels.quantize_mxfp4(t, mode), sim.quantize_mxfp4(t, mode))
 
 
+def test_nvfp4_rows_largest_scaled_values(device: str) -> None:
+    """Row-global NVFP4 skips the saturation of |x / scale| at 6 (it is at most 6.4 there): blocks whose amax / 6
+    lies just below each midpoint between E4M3 values, so that the scale rounds down by the most and the block's
+    amax quantizes from its largest |x / scale|, beside a block that sets the row's global scale."""
+    finite = E4M3_VALUES[torch.isfinite(E4M3_VALUES) & (E4M3_VALUES >= 2.0**-6)].double().sort().values
+    mid = (finite[:-1] + finite[1:]) / 2
+    below = (mid * (1 - 2.0**-20)).float()  # amax / (6 g) just under each midpoint (g = 1: the first block's amax)
+    rows = torch.zeros(below.numel(), 32)
+    rows[:, 0] = 2688.0
+    rows[:, 16] = 6 * below
+    rows[:, 17] = -6 * below
+    rows[:, 18:32] = 6 * below[:, None] * torch.linspace(-1, 1, 14)
+    x = rows.to(device)
+    q = kernels.quantize_nvfp4_rows(x)
+    assert_same(q, sim.quantize_nvfp4_rows(x))
+    assert torch.equal(q.packed[:, 8].cpu() & 0x77, torch.full((below.numel(),), 0x77, dtype=torch.uint8))
+
+
+def test_nvfp4_given_global_scale_that_overflows_the_reciprocal(device: str) -> None:
+    """A tiny given global scale makes 1 / (global * scale) overflow to inf for a block of zeros (0 * inf is NaN,
+    code 7) but not for its neighbours: the kernel takes its per-element path for such a program."""
+    x = torch.zeros(4, 64)
+    x[1:, 16:32] = torch.randn(3, 16, generator=torch.Generator().manual_seed(2)) * 1e-3
+    x = x.to(device)
+    q = kernels.quantize_nvfp4(x, 1e-38)
+    assert_same(q, sim.quantize_nvfp4(x, 1e-38))
+    assert (q.packed[0].cpu() == 0x77).all()  # NaN codes from the overflowed reciprocal
+
+
 def test_nvfp4_special_rows(device: str) -> None:
     x = special_rows(16).to(device)
     assert_same(kernels.quantize_nvfp4_rows(x), sim.quantize_nvfp4_rows(x))

@@ -35,15 +35,16 @@ def abs_bits_max(x, axis: tl.constexpr):
     return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=axis)
 
 
-# 1.5 * 2^22 + 1: a float32 this size has a 0.5 ulp, E2M1's step below 2; its bits end in 2, so that adding 1.0's
-# bits >> 22 (254) leaves the code of min(t, 1) in the low byte (0x4AC00002 + 254 = 0x4AC00100)
+# 1.5 * 2^22 + 1: a float32 this size has a 0.5 ulp, E2M1's step below 2 (its bits end in 2, so that adding
+# 1.0's bits >> 22, 254, gives E2M1_CODE_BIAS + the code: a constant a caller can take off a whole word of codes)
 _E2M1_FIXED = tl.constexpr(6291457.0)
+E2M1_CODE_BIAS = tl.constexpr(0x4AC00100)
 
 
 @triton.jit
-def e2m1_magnitude(t):
-    """(int32 whose low 3 bits are the E2M1 magnitude code, its value float32) of float32 t >= 0 or inf: RNE,
-    saturating at 6. The bits above the code are not zero: mask them.
+def e2m1_magnitude(t, SATURATE: tl.constexpr = True):
+    """(int32 E2M1_CODE_BIAS + E2M1 magnitude code 0..7, the code's value float32) of float32 t >= 0 or inf: RNE,
+    saturating at 6 (SATURATE False: for callers whose t is below 7, which then rounds to at most 6 anyway).
 
     Float32 rounding does the work, on the FP pipe (sm_90 issues integer and compare ops at half the FP rate,
     and the quantizers are bound by them): min(t, 1) + 1.5 * 2^22 rounds to a multiple of 0.5, E2M1's
@@ -52,7 +53,9 @@ def e2m1_magnitude(t):
     E2M1's normal range, whose code is its exponent and top mantissa bit. Each part is exact where the other
     is clamped, so the codes add. NaN is the caller's to handle."""
     below = tl.minimum(t, 1.0) + _E2M1_FIXED
-    above = tl.minimum(tl.maximum(t, 1.0), 6.0)
+    above = tl.maximum(t, 1.0)
+    if SATURATE:
+        above = tl.minimum(above, 6.0)
     gamma = above * 4194304.0 + above
     rounded = gamma + (above - gamma)
     code = below.to(tl.int32, bitcast=True) + (rounded.to(tl.int32, bitcast=True) >> 22)
@@ -60,17 +63,17 @@ def e2m1_magnitude(t):
 
 
 @triton.jit
-def sign_nibble(x):
-    """int32 whose bit 3 is float32 x's sign and bits 4+ are zero (bits 0-2 not: combine as `(c & 7) | (s & -8)`,
-    one three-input logic op)."""
-    return x.to(tl.uint32, bitcast=True) >> 28
+def sign_eight(x):
+    """int32 8 where float32 x's sign bit is set (-0 included), else 0: the sign bit of an E2M1 code. A high-word
+    multiply (the FP pipe's integer unit) rather than a shift and a mask."""
+    return tl.umulhi(x.to(tl.int32, bitcast=True) & -0x80000000, 16)
 
 
 @triton.jit
 def encode_e2m1(y):
     """E2M1 codes (int32 0..15) of float32 y: RNE, saturating, -0 keeps its sign, NaN -> 7 (the sim's rule)."""
     code, _ = e2m1_magnitude(tl.abs(y))
-    code = (code & 7) | (sign_nibble(y).to(tl.int32) & -8)
+    code = code - E2M1_CODE_BIAS + sign_eight(y)
     return tl.where((y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000, 7, code)
 
 

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from trace_lightning.kernels._common import grid_dependency, sm_count
 from trace_lightning.kernels._fp4 import (
+    E2M1_CODE_BIAS,
     abs_bits_max,
     await_previous_grid,
     e2m1_magnitude,
@@ -21,7 +22,7 @@ from trace_lightning.kernels._fp4 import (
     e4m3_to_f32,
     encode_e2m1,
     pack_codes,
-    sign_nibble,
+    sign_eight,
 )
 from trace_lightning.quant import MXFP4, NVFP4
 from trace_lightning.quant.mxfp4 import check_mx_mode
@@ -37,6 +38,8 @@ DEQUANT_NO_GLOBAL = tl.constexpr(2)
 # divides. The reference (trace_lightning.quant) runs on whichever device holds x, so the kernels do the same.
 INV_6 = tl.constexpr(0.1666666716337204)  # float32(1 / 6)
 INV_2688 = tl.constexpr(0.00037202381645329297)  # float32(1 / 2688)
+# E2M1_CODE_BIAS in each of a word's 8 nibbles, mod 2^32 as an int32
+WORD_BIAS = tl.constexpr((E2M1_CODE_BIAS.value * 0x11111111 + 2**31) % 2**32 - 2**31)
 
 
 @triton.jit
@@ -133,19 +136,21 @@ def block_amax_bits(x):
 
 
 @triton.jit
-def block_words(x, r, bad, NAN_SAFE: tl.constexpr):
+def block_words(x, r, bad, NAN_SAFE: tl.constexpr, SATURATE: tl.constexpr = True):
     """(E2M1 code words int32 [NB, BLOCK_R, PARTS]: part p's 8 codes, element j in nibble j; the codes' signed
     values float32 [NB, BLOCK_R, PARTS, 8]) of a block_offsets tile x times its blocks' r [NB, BLOCK_R].
     Blocks flagged bad (NaN / inf in an NVFP4 block: r is NaN) are all 7s, as x * NaN encodes, at one select a
     word; with NAN_SAFE each element is checked instead (bad None): for an r that can overflow to inf (x = 0 then
-    gives NaN) or MXFP4's r = 0 of a bad block (x / inf, whose NaNs are its inf and NaN elements)."""
+    gives NaN) or MXFP4's r = 0 of a bad block (x / inf, whose NaNs are its inf and NaN elements). SATURATE False:
+    for row-global NVFP4, where |x * r| < 7 in every good block (the block scale is at most 448 * g = amax_row / 6,
+    and E4M3's rounding lowers it by at most 1/16: |x * r| <= 6 / (1 - 1/16) = 6.4)."""
     y = x * r[:, :, None, None]
-    mag, value = e2m1_magnitude(tl.abs(y))
-    code = (mag & 7) | (sign_nibble(x).to(tl.int32) & -8)
+    code, value = e2m1_magnitude(tl.abs(y), SATURATE)
+    code = code + sign_eight(x)  # + E2M1_CODE_BIAS, taken off each word below
     if NAN_SAFE:
-        code = tl.where(y != y, 7, code)
+        code = tl.where(y != y, 7 + E2M1_CODE_BIAS, code)
     j = tl.arange(0, 8)[None, None, None, :]
-    words = tl.sum(code << (4 * j), axis=3)
+    words = tl.sum(code << (4 * j), axis=3) - WORD_BIAS
     value = (value.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -0x80000000)).to(tl.float32,
                                                                                                   bitcast=True)
     if bad is not None:
@@ -161,7 +166,13 @@ def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, MOD
     if amax_bits is None:
         amax_bits = block_amax_bits(x)
     byte, r, bad = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], MODE != 0, RECIP)
-    words, value = block_words(x, r, None if MODE == 1 else bad, MODE == 1)
+    if MODE == 1:  # a given global scale can make r overflow to inf: check each element then, only then
+        if tl.max(tl.max((r == float("inf")).to(tl.int32), 1), 0) != 0:
+            words, value = block_words(x, r, None, True)
+        else:
+            words, value = block_words(x, r, bad, False)
+    else:
+        words, value = block_words(x, r, bad, False, MODE != 2)
     _store_words(words_ptr, words, rows, k0, R, K, 2, NB)
     nb = k0 // 16 + tl.arange(0, NB)
     tl.store(scales_ptr + rows[None, :].to(tl.int64) * (K // 16) + nb[:, None], byte.to(tl.uint8),
