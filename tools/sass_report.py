@@ -32,7 +32,8 @@ PTR = {"ids_ptr": "*i64", "bexp_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "a
        "g_ptr": "*fp32", "ag_ptr": "*fp32", "tw_ptr": "*bf16", "h_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32",
        "x_ptr": "*bf16", "q_ptr": "*bf16", "pos_ptr": "*i64", "kp": "*u8", "ks": "*u8", "kg": "*fp32", "vp": "*u8",
        "vs": "*u8", "vg": "*fp32", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32",
-       "packed_ptr": "*u8", "words_ptr": "*i32", "scales_ptr": "*u8", "dq_ptr": "*bf16", "logits_ptr": "*bf16", "gates_ptr": "*bf16"}
+       "packed_ptr": "*u8", "words_ptr": "*i32", "scales_ptr": "*u8", "dq_ptr": "*bf16", "logits_ptr": "*bf16",
+       "gates_ptr": "*bf16"}
 # int arguments that real launches pass as multiples of 16 (Triton specializes those as divisible by 16)
 DIV16 = {"N", "K", "K_SPLIT", "D", "I", "S", "SPLIT_LEN", "E"}
 
