@@ -34,9 +34,11 @@ def quantizers(rep: Report) -> None:
     R, K = 16384, 8192
     x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16) * 3
     nv_out = nvfp4_bytes(R, K)
+    g = torch.tensor(0.01, device="cuda")
     cases = {
         "quantize_nvfp4_rows": (lambda: kernels.quantize_nvfp4_rows(x), x.nbytes + nv_out),
-        "quantize_nvfp4(scalar g)": (lambda: kernels.quantize_nvfp4(x, 0.01), x.nbytes + nv_out - 4 * R),
+        # the scalar on the device: a Python float would be copied from the host on every call
+        "quantize_nvfp4(scalar g)": (lambda: kernels.quantize_nvfp4(x, g), x.nbytes + nv_out - 4 * R),
         "fake_quantize_nvfp4_rows": (lambda: kernels.fake_quantize_nvfp4_rows(x), 2 * x.nbytes + nv_out),
         "quantize_mxfp4 floor": (lambda: kernels.quantize_mxfp4(x, "floor"), x.nbytes + R * K // 2 + R * K // 32),
         "quantize_mxfp4 rceil": (lambda: kernels.quantize_mxfp4(x, "rceil"), x.nbytes + R * K // 2 + R * K // 32),

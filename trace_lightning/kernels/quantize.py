@@ -294,17 +294,20 @@ def _rows_view(x: Tensor, block: int) -> Tensor:
 LAUNCH: tuple[int, int] | None = None  # (rows, warps) a program instead of _launch_shape's (tools/sweep_quant.py)
 
 
-def _launch_shape(R: int, K: int, device: torch.device) -> tuple[int, int, int]:
+def _launch_shape(R: int, K: int, device: torch.device, per_thread: int = 64) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_K, warps): whole rows up to 8192 wide (one pass: the row-global mode would otherwise
-    read each row twice), about 32 elements per thread, and few enough rows per program that a
-    decode-sized activation ([64, 2048]) still spreads over the chip instead of 4 programs walking it."""
+    read each row twice), about per_thread elements a thread, and few enough rows per program that a
+    decode-sized activation ([64, 2048]) still spreads over the chip instead of 4 programs walking it.
+    H200 (tools/sweep_quant.py, docs/benchmarks.md v14), one row of 8192 a program: 64 elements a thread for
+    the quantizers (NVFP4 rows 59 -> 74% of the copy ceiling against 32), 32 for those that also write the
+    dequantized values (67% against 45%)."""
     block_k = triton.next_power_of_2(K) if K <= 8192 else 256
     block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
     while block_r > 1 and triton.cdiv(R, block_r) < 2 * sm_count(device):
         block_r //= 2
     if LAUNCH is not None:
         return LAUNCH[0], block_k, LAUNCH[1]
-    return block_r, block_k, max(4, block_r * block_k // 1024)
+    return block_r, block_k, max(4, block_r * block_k // (32 * per_thread))
 
 
 def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
@@ -315,7 +318,7 @@ def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 16, dtype=torch.uint8, device=x.device)
     g_rows = torch.empty(R, dtype=torch.float32, device=x.device) if g is None else g
-    block_r, block_k, warps = _launch_shape(R, K, x.device)
+    block_r, block_k, warps = _launch_shape(R, K, x.device, 64 if dq is None else 32)
     dequant = DEQUANT_NONE if dq is None else dequant
     words = packed.view(torch.int32)  # the kernel stores 8 codes a word
     _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, words, scales, packed if dq is None else dq, R, K, mode,
