@@ -1,7 +1,7 @@
-"""Fused FP4 MoE launch sweep: gate/up (block_n, K tile, warps, stages), down (block_n, warps, stages), align (sort
-by warps, and by atomic cursors).
+"""Fused FP4 MoE launch sweep: gate/up and down (block_n, K tile, warps, stages), align (sort by warps, and by
+atomic cursors).
 
-Run: python tools/sweep_moe.py [--align-only]
+Run: python tools/sweep_moe.py [--align-only] [--gemms down] [--batches 16 64]
 (CUDA only; graph-replayed median us of the whole fp4_moe call at decode sizes)
 Each GEMM is varied with the other at its default (they run one after the other, so their times add);
 the defaults are trace_lightning/kernels/moe.py's GATE_UP_LAUNCH and DOWN_LAUNCH.
@@ -23,12 +23,16 @@ from trace_lightning.quant import tensor_global_scale
 
 BATCHES = (16, 64, 256)
 GATE_UP = [*itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3,)), (64, 64, 4, 2), (64, 64, 4, 4)]
-DOWN = [*itertools.product((32, 64, 128), (4, 8), (3,)), (64, 4, 2), (64, 4, 4)]
+# down: (block_n, block_k, warps, stages); block_k None keeps block_k_for's K tile (128 for 16-row tiles)
+DOWN = [*itertools.product((32, 64, 128), (None,), (4, 8), (3,)), (64, None, 4, 2), (64, None, 4, 4),
+        *itertools.product((64, 128), (256,), (4, 8), (2, 3))]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--align-only", action="store_true", help="time only the alignment (sort and atomic)")
+    parser.add_argument("--gemms", nargs="*", default=["gate_up", "down"], choices=["gate_up", "down"])
+    parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_moe needs a CUDA device")
@@ -39,20 +43,21 @@ def main() -> None:
     q13 = kernels.prepare_weight(kernels.quantize_nvfp4(w13, tensor_global_scale(w13, 2).unsqueeze(-1)), w13.dtype)
     q2 = kernels.prepare_weight(kernels.quantize_nvfp4(w2, tensor_global_scale(w2, 2).unsqueeze(-1)), w2.dtype)
     defaults = (moe_kernels.GATE_UP_LAUNCH, moe_kernels.DOWN_LAUNCH)
-    for N in BATCHES:
+    for N in args.batches:
         x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
         gates, ids = torch.rand(N, E, device="cuda").softmax(-1).topk(k, dim=-1)
         gates = (gates / gates.sum(-1, keepdim=True)).bfloat16()
         call = partial(kernels.fp4_moe, x, q13, q2, ids, gates)
         base = graph_ms(call) * 1e3
         print(f"N={N} fp4_moe default: {base:.0f} us", flush=True)
-        for name, variants in () if args.align_only else (("gate_up", GATE_UP), ("down", DOWN)):
+        sweeps = [(name, GATE_UP if name == "gate_up" else DOWN) for name in args.gemms]
+        for name, variants in () if args.align_only else sweeps:
             results = []
             for v in variants:
                 if name == "gate_up":
                     moe_kernels.GATE_UP_LAUNCH = v  # (block_n, block_k, warps, stages)
                 else:
-                    moe_kernels.DOWN_LAUNCH = (v[0], None, v[1], v[2])  # down keeps block_k_for's K tile
+                    moe_kernels.DOWN_LAUNCH = v
                 try:
                     results.append((graph_ms(call) * 1e3, v))
                 except Exception as err:  # noqa: BLE001  (a shape that does not compile is a result too)
