@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,19 +32,28 @@ def copy_ceiling(rep: Report) -> None:
     add_bw(rep, "copy", "1 GiB fp32", ms, 2 * x.nbytes)
 
 
-def quantizers(rep: Report) -> None:
-    R, K = 16384, 8192
-    x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16) * 3
+QUANT_SHAPE = (16384, 8192)  # the quantizers' benchmark activation [R, K]
+
+
+def quantizer_cases(x: Tensor) -> dict[str, tuple[Callable[[], Any], int]]:
+    """The quantizers of x [R, K] as (call, the fewest bytes it must move: read + written)."""
+    R, K = x.shape
     nv_out = nvfp4_bytes(R, K)
-    g = torch.tensor(0.01, device="cuda")
-    cases = {
+    g = torch.tensor(0.01, device=x.device)  # on the device: a Python float is copied from the host every call
+    mx_bytes = x.nbytes + R * K // 2 + R * K // 32
+    return {
         "quantize_nvfp4_rows": (lambda: kernels.quantize_nvfp4_rows(x), x.nbytes + nv_out),
-        # the scalar on the device: a Python float would be copied from the host on every call
         "quantize_nvfp4(scalar g)": (lambda: kernels.quantize_nvfp4(x, g), x.nbytes + nv_out - 4 * R),
         "fake_quantize_nvfp4_rows": (lambda: kernels.fake_quantize_nvfp4_rows(x), 2 * x.nbytes + nv_out),
-        "quantize_mxfp4 floor": (lambda: kernels.quantize_mxfp4(x, "floor"), x.nbytes + R * K // 2 + R * K // 32),
-        "quantize_mxfp4 rceil": (lambda: kernels.quantize_mxfp4(x, "rceil"), x.nbytes + R * K // 2 + R * K // 32),
+        "quantize_mxfp4 floor": (lambda: kernels.quantize_mxfp4(x, "floor"), mx_bytes),
+        "quantize_mxfp4 rceil": (lambda: kernels.quantize_mxfp4(x, "rceil"), mx_bytes),
     }
+
+
+def quantizers(rep: Report) -> None:
+    R, K = QUANT_SHAPE
+    x = torch.randn(R, K, device="cuda", dtype=torch.bfloat16) * 3
+    cases = quantizer_cases(x)
     packed = kernels.quantize_nvfp4_rows(x).packed
     cases["pack_parity"] = (lambda: kernels.pack_parity(packed), packed.nbytes * 5 // 4)
     for name, (fn, nbytes) in cases.items():
