@@ -1,7 +1,8 @@
 """Triton NVFP4 / MXFP4 quantizers, byte-identical with trace_lightning.quant (and so torchao 0.18).
 
-One program quantizes BLOCK_R rows, walking K in chunks; the row-global variant first takes each row's
-amax in the same program (a row never depends on its batch). The float32 op order is the reference's:
+One program quantizes BLOCK_R rows, walking K in chunks held so that each thread has whole blocks
+(block_offsets); the row-global variant first takes each row's amax in the same program (a row never
+depends on its batch). The float32 op order is the reference's:
 amax / 6, / global, clamp [2^-6, 448], E4M3 round, x * ((1 / global) / scale), E2M1 RNE.
 """
 
@@ -142,8 +143,9 @@ def block_words(x, r, bad, NAN_SAFE: tl.constexpr, SATURATE: tl.constexpr = True
     Blocks flagged bad (NaN / inf in an NVFP4 block: r is NaN) are all 7s, as x * NaN encodes, at one select a
     word; with NAN_SAFE each element is checked instead (bad None): for an r that can overflow to inf (x = 0 then
     gives NaN) or MXFP4's r = 0 of a bad block (x / inf, whose NaNs are its inf and NaN elements). SATURATE False:
-    for row-global NVFP4, where |x * r| < 7 in every good block (the block scale is at most 448 * g = amax_row / 6,
-    and E4M3's rounding lowers it by at most 1/16: |x * r| <= 6 / (1 - 1/16) = 6.4)."""
+    for row-global NVFP4, where |x * r| < 7 in every good block: the block's amax / (6 g) is at most 448 there
+    (g = amax_row / 2688), and its E4M3 scale is that rounded at most 1/16 low or clamped up to 2^-6, so
+    |x * r| <= 6 / (1 - 1/16) = 6.4."""
     y = x * r[:, :, None, None]
     code, value = e2m1_magnitude(tl.abs(y), SATURATE)
     code = code + sign_eight(x)  # + E2M1_CODE_BIAS, taken off each word below
