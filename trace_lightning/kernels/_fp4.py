@@ -64,8 +64,9 @@ def e2m1_magnitude(t, SATURATE: tl.constexpr = True):
 
 @triton.jit
 def sign_eight(x):
-    """int32 8 where float32 x's sign bit is set (-0 included), else 0: the sign bit of an E2M1 code. A high-word
-    multiply (the FP pipe's integer unit) rather than a shift and a mask."""
+    """int32 8 where float32 x's sign bit is set (-0 included), else 0: the sign bit of an E2M1 code. Written as a
+    high-word multiply of the masked sign, which ptxas turns into a shift folded into the add that takes it
+    (sm_90: LOP3 + LEA.HI an element, against a shift, a mask and an OR)."""
     return tl.umulhi(x.to(tl.int32, bitcast=True) & -0x80000000, 16)
 
 
