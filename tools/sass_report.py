@@ -105,12 +105,7 @@ CASES = {
     "linear": (_linear_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0, "FIXUP": 0,
                                 "TILED": 0, "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "attention": (_attn_split_kernel, {"G": 8, "DH": 128, "BLOCK_G": 8, "BLOCK_S": 64, "DTYPE": tl.bfloat16,
-                                       "PREC": "tf32", "FAST": 1, "WORDS": 1, "SWAP": 1, "TILES": 0,
-                                       "cnt_ptr": None, "out_ptr": None}),
-    # the same with the merge done by each row's last split (TRACE_LIGHTNING_FIXUP=1)
-    "attention_fixup": (_attn_split_kernel, {"G": 8, "DH": 128, "BLOCK_G": 8, "BLOCK_S": 64, "DTYPE": tl.bfloat16,
-                                             "PREC": "tf32", "FAST": 1, "WORDS": 1, "SWAP": 1, "TILES": 0,
-                                             "BLOCK_SPLITS": 4}),
+                                       "PREC": "tf32", "FAST": 1, "WORDS": 1, "SWAP": 1, "TILES": 0}),
     # the quantizers at the benchmark's shape (K = 8192: one row per program, one pass; run with --warps 8)
     "nvfp4_rows": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
                                    "BLOCK_K": 8192}),

@@ -67,35 +67,6 @@ def test_attention_matches_sim(monkeypatch: pytest.MonkeyPatch, device: str, dty
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("tiles", [False, True])
-def test_attention_merged_by_the_last_split(monkeypatch: pytest.MonkeyPatch, device: str, tiles: bool) -> None:
-    """TRACE_LIGHTNING_FIXUP=1: each row's last split merges the partials in the split kernel, with the merge
-    kernel's arithmetic (bit-identical under the interpreter; on a GPU its reductions may group the splits
-    differently), and leaves the row counters at zero for the next launch."""
-    from trace_lightning.kernels import kv as kv_kernels
-    from trace_lightning.kernels._common import split_counters
-
-    gen = torch.Generator().manual_seed(8)
-    B, Hq, Hkv, S, Dh = 3, 8, 2, 160, 128
-    layer = FP4KVLayer.allocate(B, Hkv, S, Dh, device, words=tiles, value_tiles=tiles)
-    k, v = torch.randn(2, B, S, Hkv, Dh, generator=gen).to(torch.bfloat16).to(device)
-    kernels.kv_append(layer, k, v, torch.arange(S, device=device).expand(B, S))
-    q = torch.randn(B, Hq, 1, Dh, generator=gen).to(torch.bfloat16).to(device)
-    q_pos = torch.tensor([[159], [40], [-1]], device=device)
-    for splits in (1, 3, 5):
-        merged_after = kv_attention(q, layer, q_pos, Dh**-0.5, splits)
-        monkeypatch.setattr(kv_kernels, "ATTN_FIXUP", True)
-        merged_in = kv_attention(q, layer, q_pos, Dh**-0.5, splits)
-        again = kv_attention(q, layer, q_pos, Dh**-0.5, splits)
-        monkeypatch.setattr(kv_kernels, "ATTN_FIXUP", False)
-        assert torch.equal(merged_in, again) and merged_in[2].eq(0).all()
-        if device == "cpu":
-            assert torch.equal(merged_in, merged_after)
-        else:
-            torch.testing.assert_close(merged_in.float(), merged_after.float(), rtol=1e-2, atol=1e-2)
-    assert not split_counters(1, q.device).any()
-
-
 @pytest.mark.parametrize(("batch", "splits"), [(1, 33), (16, 7), (64, 2), (256, 1)])
 def test_attention_splits_fill_whole_waves(monkeypatch: pytest.MonkeyPatch, batch: int, splits: int) -> None:
     """On an H200 (132 SMs, 4 attention programs each) at 2K context, 64-key blocks, 4 kv heads: the split

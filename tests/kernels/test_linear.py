@@ -6,9 +6,8 @@ import triton
 import triton.language as tl
 
 from trace_lightning import kernels, sim
-from trace_lightning.kernels import linear as linear_kernels
-from trace_lightning.kernels._common import split_counters
 from trace_lightning.kernels._fp4 import _permute_pairs, permute_k
+from trace_lightning.kernels import linear as linear_kernels
 from trace_lightning.kernels.linear import linear
 from trace_lightning.quant import quantize_nvfp4
 from trace_lightning.sim.testing import quantize_weight
@@ -52,7 +51,7 @@ def test_split_k_summed_by_the_last_split_is_bit_identical(device: str, swap: st
         again = linear(x, w, dtype, split_k=split)  # the counters were reset
         monkeypatch.setattr(linear_kernels, "SPLIT_FIXUP", False)
         assert fused.dtype == dtype and torch.equal(fused, two_launches) and torch.equal(again, two_launches)
-    assert not split_counters(1, x.device).any()
+    assert not linear_kernels.split_counters(1, x.device).any()
 
 
 def test_fp4_linear_global_shapes(device: str) -> None:

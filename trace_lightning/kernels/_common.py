@@ -101,20 +101,3 @@ def fast_dequant(dtype: torch.dtype, device: torch.device) -> bool:
     off); otherwise the portable bit-arithmetic path, which also runs under the CPU interpreter."""
     return device.type == "cuda" and dtype == torch.bfloat16 and os.environ.get("TRACE_LIGHTNING_FAST_DEQUANT",
                                                                                    "1") != "0"
-
-
-_COUNTERS: dict[torch.device, Tensor] = {}
-
-
-def split_counters(n: int, device: torch.device) -> Tensor | None:
-    """The device's zeroed int32 counters for kernels whose last program of a group sums the group's partials
-    (the linear's split-K, the decode attention's splits: TRACE_LIGHTNING_FIXUP=1), at least n of them. Each
-    launch leaves them at zero, and launches on one device run one after another (stream order, or PDL's wait for
-    the previous grid). None when they would have to grow during a CUDA graph capture: the caller then sums with a
-    second launch."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[device] = have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return have

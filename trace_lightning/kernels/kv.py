@@ -29,7 +29,6 @@ from trace_lightning.kernels._common import (
     mma_dtype,
     scale_bytes,
     sm_count,
-    split_counters,
     tuned,
 )
 from trace_lightning.kernels._fp4 import (
@@ -274,10 +273,7 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
                        T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
                        FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr, TILES: tl.constexpr = False,
-                       cnt_ptr=None, out_ptr=None, BLOCK_SPLITS: tl.constexpr = 1, PDL: tl.constexpr = 0):
-    """One split of one (batch, kv head, query) row: its (o, m, l) partials. With cnt_ptr (ATTN_FIXUP) the row's
-    last split to finish (by an atomic count, which it resets) merges them into out_ptr, instead of a second
-    launch."""
+                       PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
     t = bht % T
@@ -309,27 +305,20 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
     tl.store(o_ptr + part[:, None] * DH + d[None, :], acc, mask=gi[:, None] < G)
     tl.store(m_ptr + part, m_i, mask=gi < G)
     tl.store(l_ptr + part, l_i, mask=gi < G)
-    if cnt_ptr is not None:  # the threadfence-reduction pattern, as kernels.linear's split-K fixup
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + bht, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            tl.debug_barrier()
-            for g in range(G):
-                _merge_head(o_ptr, m_ptr, l_ptr, out_ptr, bht, g, T, H, NUM_SPLITS, G, DH, BLOCK_SPLITS)
-            tl.atomic_xchg(cnt_ptr + bht, 0, sem="relaxed")
 
 
 @triton.jit
-def _merge_head(o_ptr, m_ptr, l_ptr, out_ptr, bht, g, T, H, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
-                BLOCK_SPLITS: tl.constexpr):
-    """Query head g of row bht: its splits' (o, m, l) partials merged into out (the partials read from L2, .cg,
-    where other programs' stores are when the split kernel merges by its last split)."""
+def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, T, H, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
+                       BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr = 0):
+    await_previous_grid(PDL)
+    bht, g = tl.program_id(0), tl.program_id(1)
     sp = tl.arange(0, BLOCK_SPLITS)
     d = tl.arange(0, DH)
     part = (bht * NUM_SPLITS + sp) * G + g
     ok = sp < NUM_SPLITS
-    m = tl.load(m_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    l_part = tl.load(l_ptr + part, mask=ok, other=0.0, cache_modifier=".cg")
-    o = tl.load(o_ptr + part[:, None] * DH + d[None, :], mask=ok[:, None], other=0.0, cache_modifier=".cg")
+    m = tl.load(m_ptr + part, mask=ok, other=float("-inf"))
+    l_part = tl.load(l_ptr + part, mask=ok, other=0.0)
+    o = tl.load(o_ptr + part[:, None] * DH + d[None, :], mask=ok[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
     den = tl.sum(w * l_part, axis=0)
@@ -340,14 +329,6 @@ def _merge_head(o_ptr, m_ptr, l_ptr, out_ptr, bht, g, T, H, NUM_SPLITS, G: tl.co
     h = bh % H
     row = ((b * H * G + h * G + g) * T + t) * DH
     tl.store(out_ptr + row + d, res.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, T, H, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
-                       BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr = 0):
-    await_previous_grid(PDL)
-    _merge_head(o_ptr, m_ptr, l_ptr, out_ptr, tl.program_id(0), tl.program_id(1), T, H, NUM_SPLITS, G, DH,
-                BLOCK_SPLITS)
 
 
 _ATTN = tuned(_attn_split_kernel, [
@@ -370,9 +351,6 @@ ATTN_LONG_KEYS = 2048  # keys per program from which ATTN_LONG_SHAPE is used
 # mma's n8 tiles take unpadded (G = 8: the q-side form pads M to 16 rows, half its MMAs wasted); sm_90 SASS of the
 # 64-key loop, 2 warps: 1351 -> 1065 instructions per thread, 207 -> 159 registers (tools/sass_report.py).
 ATTN_SWAP = os.environ.get("TRACE_LIGHTNING_ATTN_SWAP", "1") != "0"
-# the splits merged by each row's last split (TRACE_LIGHTNING_FIXUP=1, as the linear's split-K) instead of a merge
-# launch; off by default: not yet timed on a GPU
-ATTN_FIXUP = os.environ.get("TRACE_LIGHTNING_FIXUP", "0") == "1"
 
 
 def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> int:
@@ -431,20 +409,16 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
             T, Hkv, S, split_len, splits, G, Dh, max(8 if ATTN_SWAP else 16, triton.next_power_of_2(G)))
     dt, prec = mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device)
     pdl = grid_dependency(q.device)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    counters = split_counters(work, q.device) if ATTN_FIXUP and not tune else None
-    merge = {} if counters is None else {"cnt_ptr": counters, "out_ptr": out,
-                                          "BLOCK_SPLITS": triton.next_power_of_2(splits)}
     if tune:
         _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, SWAP=ATTN_SWAP,
                                  TILES=layer.value_tiles, **pdl)
     else:
         _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words,
-                                           SWAP=ATTN_SWAP, TILES=layer.value_tiles, **merge, num_warps=warps,
+                                           SWAP=ATTN_SWAP, TILES=layer.value_tiles, num_warps=warps,
                                            num_stages=stages, **pdl)
-    if counters is None:
-        _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
-                                      num_warps=4, **pdl)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
+                                  num_warps=4, **pdl)
     return out
 
 

@@ -27,7 +27,6 @@ from trace_lightning.kernels._common import (
     mma_dtype,
     scale_bytes,
     sm_count,
-    split_counters,
     swap_ab,
     tuned,
 )
@@ -103,6 +102,20 @@ LINEAR_FILL = 1.9
 # split-K partials summed by each tile's last split (TRACE_LIGHTNING_FIXUP=1) instead of a reduce._sum_kernel
 # launch; off by default: not yet timed on a GPU
 SPLIT_FIXUP = os.environ.get("TRACE_LIGHTNING_FIXUP", "0") == "1"
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+
+def split_counters(tiles: int, device: torch.device) -> Tensor | None:
+    """The device's zeroed int32 tile counters for SPLIT_FIXUP, at least `tiles` of them (each launch leaves them at
+    zero; launches on one device run one after another: stream order, or PDL's wait for the previous grid). None
+    when they would have to grow during a CUDA graph capture (the caller then sums with a second launch)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[device] = have = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return have
+
 
 def linear_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, split_k): enough programs to fill the chip at decode sizes (see above)."""
