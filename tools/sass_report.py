@@ -33,7 +33,7 @@ PTR = {"ids_ptr": "*i64", "bexp_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "a
        "x_ptr": "*bf16", "q_ptr": "*bf16", "pos_ptr": "*i64", "kp": "*u8", "ks": "*u8", "kg": "*fp32", "vp": "*u8",
        "vs": "*u8", "vg": "*fp32", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32",
        "packed_ptr": "*u8", "words_ptr": "*i32", "scales_ptr": "*u8", "dq_ptr": "*bf16", "logits_ptr": "*bf16",
-       "gates_ptr": "*bf16", "cnt_ptr": "*i32", "final_ptr": "*bf16"}
+       "gates_ptr": "*bf16"}
 # int arguments that real launches pass as multiples of 16 (Triton specializes those as divisible by 16)
 DIV16 = {"N", "K", "K_SPLIT", "D", "I", "S", "SPLIT_LEN", "E"}
 
@@ -102,7 +102,7 @@ CASES = {
                                   "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "down": (_down_kernel, {"QUANT_A": 1, "DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0,
                             "TILED": 0, "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
-    "linear": (_linear_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0, "FIXUP": 0,
+    "linear": (_linear_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0,
                                 "TILED": 0, "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "attention": (_attn_split_kernel, {"G": 8, "DH": 128, "BLOCK_G": 8, "BLOCK_S": 64, "DTYPE": tl.bfloat16,
                                        "PREC": "tf32", "FAST": 1, "WORDS": 1, "SWAP": 1, "TILES": 0}),

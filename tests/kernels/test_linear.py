@@ -7,7 +7,6 @@ import triton.language as tl
 
 from trace_lightning import kernels, sim
 from trace_lightning.kernels._fp4 import _permute_pairs, permute_k
-from trace_lightning.kernels import linear as linear_kernels
 from trace_lightning.kernels.linear import linear
 from trace_lightning.quant import quantize_nvfp4
 from trace_lightning.sim.testing import quantize_weight
@@ -31,27 +30,6 @@ def test_fp4_linear_matches_sim(device: str, dtype: torch.dtype, mnk: tuple[int,
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 5e-3)
     assert rel_err(kernels.fp4_linear(x, w, out_dtype=torch.float32), ref) < 1e-5
     assert rel_err(linear(x, w, torch.float32, split_k=2), ref) < 1e-5  # split-K partials + deterministic sum
-
-
-@pytest.mark.parametrize("swap", ["0", "1"])
-@pytest.mark.parametrize(("mnk", "split"), [((20, 70, 256), 2), ((64, 200, 1024), 4), ((3, 64, 512), 8)])
-def test_split_k_summed_by_the_last_split_is_bit_identical(device: str, swap: str, mnk: tuple[int, int, int],
-                                                           split: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TRACE_LIGHTNING_FIXUP=1: each tile's last split sums the partials itself, in the order the separate sum
-    kernel uses, so the output is the same bits; and it leaves the tile counters at zero for the next launch."""
-    monkeypatch.setenv("TRACE_LIGHTNING_SWAP_AB", swap)
-    M, N, K = mnk
-    gen = torch.Generator().manual_seed(M * N + split)
-    x = torch.randn(M, K, generator=gen).bfloat16().to(device)
-    w = quantize_weight(torch.randn(N, K, generator=gen).to(device))
-    for dtype in (torch.bfloat16, torch.float32):
-        two_launches = linear(x, w, dtype, split_k=split)
-        monkeypatch.setattr(linear_kernels, "SPLIT_FIXUP", True)
-        fused = linear(x, w, dtype, split_k=split)
-        again = linear(x, w, dtype, split_k=split)  # the counters were reset
-        monkeypatch.setattr(linear_kernels, "SPLIT_FIXUP", False)
-        assert fused.dtype == dtype and torch.equal(fused, two_launches) and torch.equal(again, two_launches)
-    assert not linear_kernels.split_counters(1, x.device).any()
 
 
 def test_fp4_linear_global_shapes(device: str) -> None:

@@ -10,8 +10,6 @@ deterministic sum reduces (no atomics: rollouts stay bit-reproducible).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -38,23 +36,10 @@ from trace_lightning.sim._weights import global_strides
 
 
 @triton.jit
-def _sum_split_tile(out_ptr, final_ptr, offs, mask, M, N, SPLITS):
-    """Sum a tile's SPLITS float32 partials in split order (reduce._sum_kernel's order: the same bits) into
-    final_ptr in its dtype; the partials are read from L2 (.cg), where the other programs' stores are."""
-    acc = tl.zeros(offs.shape, tl.float32)
-    for j in range(SPLITS):
-        acc += tl.load(out_ptr + j * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    tl.store(final_ptr + offs, acc.to(final_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, cnt_ptr, final_ptr, M, N, K, K_SPLIT, SPLITS,
+def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
-                   WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, FIXUP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
-    """One [BLOCK_M, BLOCK_N] tile of out over K range pid_k * K_SPLIT ..; split-K partials in float32 at
-    out_ptr[pid_k]. FIXUP: the tile's last split to finish (by an atomic count at cnt_ptr, which it resets) sums
-    the partials into final_ptr itself, instead of a second launch."""
+                   WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
     await_previous_grid(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -74,18 +59,12 @@ def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, cnt_ptr, final_ptr
     g = unscale(tl.load(g_ptr + rn * g_sn, mask=rn < N, other=0.0), FAST)
     if SWAP:
         acc = acc * g[:, None]
-        offs, mask = rm[None, :] * N + rn[:, None], (rm[None, :] < M) & (rn[:, None] < N)
+        out = out_ptr + pid_k * M * N + rm[None, :] * N + rn[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[None, :] < M) & (rn[:, None] < N))
     else:
         acc = acc * g[None, :]
-        offs, mask = rm[:, None] * N + rn[None, :], (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + pid_k * M * N + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if FIXUP:  # the threadfence-reduction pattern: every thread's stores, then one release-acquire count
-        tile = pid_m * tl.num_programs(1) + pid_n
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
-            tl.debug_barrier()
-            _sum_split_tile(out_ptr, final_ptr, offs, mask, M, N, SPLITS)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # ready for the next launch (and graph replay)
+        out = out_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 _LINEAR = tuned(_linear_kernel, [
@@ -99,22 +78,6 @@ _LINEAR = tuned(_linear_kernel, [
 # tiles and 64-wide K steps (M=256: wqkv 36.1 -> 30.3 us, wo 28.7 -> 24.2 us); and the fewest K splits that give
 # about two programs per SM (LINEAR_FILL x SMs: 256 programs count for 132 SMs; wo M=16 split 16 -> 8, 12.2 -> 11.3 us).
 LINEAR_FILL = 1.9
-# split-K partials summed by each tile's last split (TRACE_LIGHTNING_FIXUP=1) instead of a reduce._sum_kernel
-# launch; off by default: not yet timed on a GPU
-SPLIT_FIXUP = os.environ.get("TRACE_LIGHTNING_FIXUP", "0") == "1"
-_COUNTERS: dict[torch.device, Tensor] = {}
-
-
-def split_counters(tiles: int, device: torch.device) -> Tensor | None:
-    """The device's zeroed int32 tile counters for SPLIT_FIXUP, at least `tiles` of them (each launch leaves them at
-    zero; launches on one device run one after another: stream order, or PDL's wait for the previous grid). None
-    when they would have to grow during a CUDA graph capture (the caller then sums with a second launch)."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[device] = have = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return have
 
 
 def linear_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -151,19 +114,13 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
     g, (g_sn,) = global_strides(w)
     out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else out_dtype,
                       device=x.device)
-    counters = split_counters(triton.cdiv(M, bm) * triton.cdiv(N, bn), x.device) if SPLIT_FIXUP and split > 1 and \
-        not tune else None
-    final = torch.empty(M, N, dtype=out_dtype, device=x.device) if counters is not None else out
     args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), g, g_sn, out,
-            out if counters is None else counters, final, M, N, K, k_split, split, mma_dtype(x.dtype, x.device),
-            dot_precision(x.dtype, x.device), swap_ab() and M <= 64, fast, words, tiled,
-            K % k_split == 0, counters is not None, bm)  # even: no split's K range runs past K
+            M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64,
+            fast, words, tiled, K % k_split == 0, bm)  # even: no split's K range runs past K
     if tune:
         _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **pdl)
     else:
         _LINEAR[0][(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](*args, bn, bk, num_warps=4, num_stages=3, **pdl)
-    if counters is not None:
-        return final
     return sum_partials(out, 0, out_dtype) if split > 1 else out
 
 
