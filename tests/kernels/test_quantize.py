@@ -8,6 +8,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trace_lightning import kernels, sim
 from trace_lightning.kernels._fp4 import encode_e2m1
@@ -149,6 +151,43 @@ def test_nvfp4_given_global_scale_that_overflows_the_reciprocal(device: str) -> 
     assert (q.packed[0].cpu() == 0x77).all()  # NaN codes from the overflowed reciprocal
 
 
+SPECIALS = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -3e-39, 3.0e38]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 5), blocks=st.integers(1, 40),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), seed=st.integers(0, 2**31 - 1),
+       log2_range=st.integers(0, 60), specials=st.integers(0, 4))
+def test_quantizers_equal_the_sim_on_any_input(device: str, rows: int, blocks: int, dtype: torch.dtype, seed: int,
+                                               log2_range: int, specials: int) -> None:
+    """Every quantizer's bytes (and fake-quant values) equal the sim's for random shapes, magnitudes spread over
+    2^+-log2_range per element, and special values (signed zeros, infinities, NaN, subnormals, near-max floats) at
+    random places: the tiles' index arithmetic, the block-level NaN / inf handling and the float32 encoder against
+    the reference on any input (rows wider than one pass: the fixed-shape tests)."""
+    gen = torch.Generator().manual_seed(seed)
+    K = 16 * blocks
+    x = torch.randn(rows, K, generator=gen) * torch.exp2(torch.randint(-log2_range, log2_range + 1, (rows, K),
+                                                                          generator=gen).float())
+    for _ in range(specials):
+        x.view(-1)[int(torch.randint(x.numel(), (1,), generator=gen))] = SPECIALS[
+            int(torch.randint(len(SPECIALS), (1,), generator=gen))]
+    x = x.to(dtype).to(device)
+    assert_same(kernels.quantize_nvfp4_rows(x), sim.quantize_nvfp4_rows(x))
+    assert_same(kernels.quantize_nvfp4(x), sim.quantize_nvfp4(x))
+    g = (torch.rand(rows, 1, generator=gen) * 0.1 + 1e-6).to(device)
+    assert_same(kernels.quantize_nvfp4(x, g), sim.quantize_nvfp4(x, g))
+    dq, q = kernels.fake_quantize_nvfp4_rows(x)
+    dq_ref, q_ref = sim.fake_quantize_nvfp4_rows(x)
+    assert_same(q, q_ref)
+    if dtype != torch.bfloat16 or device == "cuda":
+        assert same_bits(dq.float(), dq_ref.float())
+    else:  # the CPU interpreter's float32 -> bf16 cast truncates (on CUDA: the same bits, above)
+        torch.testing.assert_close(dq.float(), dq_ref.float(), rtol=1e-2, atol=0, equal_nan=True)
+    if K % 32 == 0:
+        for mode in ("floor", "rceil"):
+            assert_same(kernels.quantize_mxfp4(x, mode), sim.quantize_mxfp4(x, mode))
+
+
 def test_nvfp4_special_rows(device: str) -> None:
     x = special_rows(16).to(device)
     assert_same(kernels.quantize_nvfp4_rows(x), sim.quantize_nvfp4_rows(x))
@@ -188,8 +227,9 @@ def test_kernels_reject_bad_input(device: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fake_quantize_rows_value_and_record(device: str, dtype: torch.dtype) -> None:
-    x = (torch.randn(6, 4, 96, generator=torch.Generator().manual_seed(9)) * 3).to(dtype).to(device)
+@pytest.mark.parametrize("shape", [(6, 4, 96), (2, 8448)])  # one pass; rows walked in chunks
+def test_fake_quantize_rows_value_and_record(device: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(9)) * 3).to(dtype).to(device)
     dq, q = kernels.fake_quantize_nvfp4_rows(x)
     dq_ref, q_ref = sim.fake_quantize_nvfp4_rows(x)
     assert_same(q, q_ref)
