@@ -53,19 +53,13 @@ def div_scalar(x, d: tl.constexpr, inv_d: tl.constexpr, RECIP: tl.constexpr):
 
 
 @triton.jit
-def load_chunk(x_ptr, rows, k0, R, K, BLOCK_K: tl.constexpr):
-    """float32 columns k0 .. k0 + BLOCK_K of `rows` of the row-major [R, K] x (0 outside)."""
-    cols = k0 + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < R) & (cols[None, :] < K)
-    return tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def row_global(x_ptr, R, K, rows, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per-row global amax / 2688 floored at 2^-120; NaN for a row holding NaN, inf for one holding inf."""
+    """Per-row global amax / 2688 floored at 2^-120 (NaN for a row holding NaN, inf for one holding inf), from a
+    first pass over the row in the quantizing pass's tiles and block keys."""
+    NB: tl.constexpr = BLOCK_K // 16
     amax_bits = tl.zeros((BLOCK_R,), tl.int32)
     for k0 in range(0, K, BLOCK_K):
-        amax_bits = tl.maximum(amax_bits, abs_bits_max(load_chunk(x_ptr, rows, k0, R, K, BLOCK_K), 1))
+        amax_bits = tl.maximum(amax_bits, tl.max(block_amax_bits(_load_blocks(x_ptr, rows, k0, R, K, 2, NB)), 0))
     return row_global_from_bits(amax_bits, RECIP)
 
 
