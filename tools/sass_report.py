@@ -106,7 +106,8 @@ CASES = {
                                 "TILED": 0, "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "attention": (_attn_split_kernel, {"G": 8, "DH": 128, "BLOCK_G": 8, "BLOCK_S": 64, "DTYPE": tl.bfloat16,
                                        "PREC": "tf32", "FAST": 1, "WORDS": 1, "SWAP": 1, "TILES": 0}),
-    # the quantizers at the benchmark's shape (K = 8192: one row per program, one pass; run with --warps 8)
+    # the quantizers at the benchmark's shape (K = 8192: one row per program, one pass; --warps 4 as launched, 8 for the
+    # fake-quant / operand variants)
     "nvfp4_rows": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
                                    "BLOCK_K": 8192}),
     "nvfp4_rows_operand": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 2, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
