@@ -132,6 +132,7 @@ def test_fp4_moe_does_not_depend_on_the_order_within_an_expert(device: str, monk
     out_rev, q_rev = kernels.fp4_moe(x, w13, w2, ids, weights)
     assert torch.equal(out, out_rev)
     assert torch.equal(q.packed, q_rev.packed) and torch.equal(q.scale_bytes(), q_rev.scale_bytes())
+    assert torch.equal(q.global_scale, q_rev.global_scale)  # the row globals: where a dot's rounding shows first
 
 
 @pytest.mark.parametrize("quantize_h", [True, False])
