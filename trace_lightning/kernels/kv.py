@@ -149,7 +149,7 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
         k.contiguous(), v.contiguous(), positions.to(torch.int64).contiguous(), *outs[0], *outs[1],
         layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
         layer.v_packed, scale_bytes(layer.v_scales), layer.v_global,
-        R, T, Hkv, S, Dh, dev.type == "cuda", layer.words, layer.value_tiles, block_r, block_d, num_warps=4,
+        R, T, Hkv, S, Dh, False, layer.words, layer.value_tiles, block_r, block_d, num_warps=4,
         **grid_dependency(dev))
     return tuple(NVFP4(p, s.view(torch.float8_e4m3fn), g) for p, s, g in outs)  # type: ignore[return-value]
 

@@ -35,8 +35,8 @@ GLOBAL_NONE, GLOBAL_GIVEN, GLOBAL_ROW = 0, 1, 2
 DEQUANT_NONE = tl.constexpr(0)
 DEQUANT_WITH_GLOBAL = tl.constexpr(1)
 DEQUANT_NO_GLOBAL = tl.constexpr(2)
-# torch on CUDA divides a tensor by a Python scalar as a multiply by the float32 reciprocal; on CPU it
-# divides. The reference (trace_lightning.quant) runs on whichever device holds x, so the kernels do the same.
+# The reference (trace_lightning.quant) divides by a tensor on x's device (quant.blocks.divide), an IEEE division
+# on CPU and CUDA alike, so the launchers pass RECIP=False (div_rn) on every device: one set of bytes everywhere.
 INV_6 = tl.constexpr(0.1666666716337204)  # float32(1 / 6)
 INV_2688 = tl.constexpr(0.00037202381645329297)  # float32(1 / 2688)
 # E2M1_CODE_BIAS in each of a word's 8 nibbles, mod 2^32 as an int32
@@ -318,7 +318,7 @@ def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
     dequant = DEQUANT_NONE if dq is None else dequant
     words = packed.view(torch.int32)  # the kernel stores 8 codes a word
     _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, words, scales, packed if dq is None else dq, R, K, mode,
-                                              dequant.value, x.device.type == "cuda", block_k >= K, block_r,
+                                              dequant.value, False, block_k >= K, block_r,
                                               block_k, num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
@@ -366,8 +366,7 @@ def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(R, K // 32, dtype=torch.uint8, device=x.device)
     block_r, block_k, warps = _launch_shape(R, K, x.device)
-    _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed.view(torch.int32), scales, R, K, mode == "rceil",
-                                              x.device.type == "cuda",
+    _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed.view(torch.int32), scales, R, K, mode == "rceil", False,
                                               block_r, block_k, num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return MXFP4(packed=packed.view(*lead, K // 2), scales=scales.view(*lead, K // 32).view(torch.float8_e8m0fnu),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import lightning as L
@@ -10,6 +9,7 @@ from torch import Tensor
 
 from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
 from trace_lightning.lit.batch import TrainBatch
+from trace_lightning.lit.timing import device_time
 from trace_lightning.rl import mismatch_metrics
 from trace_lightning.rollout import check_weight_checksums, fp4_weight_checksums
 
@@ -30,10 +30,10 @@ class WeightSync(L.Callback):
 
     def _sync(self, module: Any, log: bool = True) -> None:
         named = module.named_weights_for_sync()
-        start = time.perf_counter()
+        start = device_time(module.device)
         module.worker.sync(named, module.policy_version)
         if log:
-            module.log("sync/ms", 1000 * (time.perf_counter() - start))
+            module.log("time/sync_s", device_time(module.device) - start)
         if self.audit_every and module.policy_version % self.audit_every == 0 and module.method.rollout_fp4:
             audited = self.audit(module, named)
             if log:

@@ -22,6 +22,7 @@ from trace_lightning.envs import Problem
 from trace_lightning.guidance import FakeQuantHook, GuidedHook, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig
+from trace_lightning.lit.timing import device_time, peak_memory_gib
 from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
 from trace_lightning.model import CharTokenizer, MoEConfig, QuantHook, Transformer, load_hf, load_tokenizer
@@ -166,6 +167,19 @@ class PolicyModule(L.LightningModule):
                 batch.routes = [r.to(device) for r in value]
         return batch
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_start = device_time(self.device)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """The optimizer step, then the step's training time (forward, backward, step; not rollout or sync)."""
+        super().optimizer_step(*args, **kwargs)
+        train_s = device_time(self.device) - self._step_start
+        tokens = float(self._step_tokens)
+        self.log_dict({"time/train_s": train_s, "train/tokens_per_s": tokens / max(train_s, 1e-9)})
+        peak = peak_memory_gib(self.device)
+        if peak is not None:
+            self.log("memory/peak_gib", peak)
+
     def in_warmup(self, step: int | None = None) -> bool:
         return (self.global_step if step is None else step) < self.warmup_steps
 
@@ -176,6 +190,7 @@ class PolicyModule(L.LightningModule):
 
     def training_step(self, batch: DemoBatch | TrainBatch, batch_idx: int) -> dict[str, Any]:
         self._set_lr()
+        self._step_tokens = int(batch.attention_mask.sum())
         if isinstance(batch, DemoBatch):
             return self.supervised_step(batch)
         return self.rl_step(batch)
