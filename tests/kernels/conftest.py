@@ -2,7 +2,8 @@
 
 Triton picks interpreter or compiler when a kernel is decorated (module import), reading TRITON_INTERPRET
 then; so this sets it before trace_lightning.kernels is imported, and drops a copy some earlier test
-imported without it. It also gives the interpreter a dot whose rounding does not depend on the host's BLAS.
+imported without it. It also makes two of the interpreter's roundings the hardware's: a dot whose rounding does not
+depend on the host's BLAS, and float32 -> bfloat16 casts that round to nearest even.
 """
 
 import os
@@ -43,8 +44,27 @@ def _position_independent_interpreter_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _round_to_nearest_even_bf16_casts() -> None:
+    """Under TRITON_INTERPRET a float32 -> bfloat16 cast truncates (Triton 3.9's interpreter drops the low bits);
+    on a GPU, and in torch, it rounds to nearest even. Cast the way the hardware does, so bf16 results under the
+    interpreter are the GPU's and can be compared bit for bit (torch's cast: RNE, NaN kept)."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):  # noqa: ANN001, ANN202 (Triton's API)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(rounded.numpy().view(np.uint16), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
 if not torch.cuda.is_available():
     _position_independent_interpreter_dot()
+    _round_to_nearest_even_bf16_casts()
 
 
 @pytest.fixture
