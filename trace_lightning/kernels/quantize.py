@@ -195,7 +195,7 @@ def _load_blocks(x_ptr, rows, k0, R, K, PARTS: tl.constexpr, NB: tl.constexpr):
 @triton.jit
 def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
                   RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr = 0):
+                  PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     NB: tl.constexpr = BLOCK_K // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -242,7 +242,7 @@ def _rceil_exponent(v):
 
 @triton.jit
 def _mxfp4_kernel(x_ptr, words_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     NB: tl.constexpr = BLOCK_K // 32
@@ -270,7 +270,7 @@ def _mxfp4_kernel(x_ptr, words_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP
 
 
 @triton.jit
-def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     quad = tl.arange(0, 4)
