@@ -108,11 +108,11 @@ CASES = {
                                        "PREC": "tf32", "FAST": 1, "WORDS": 1, "TILES": 0}),
     # the quantizers at the benchmark's shape (K = 8192: one row per program, one pass; --warps 4 as launched, 8 for the
     # fake-quant / operand variants)
-    "nvfp4_rows": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
+    "nvfp4_rows": (_nvfp4_kernel, {"GLOBAL": 2, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
                                    "BLOCK_K": 8192}),
-    "nvfp4_rows_operand": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 2, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
+    "nvfp4_rows_operand": (_nvfp4_kernel, {"GLOBAL": 2, "DEQUANT": 2, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
                                            "BLOCK_K": 8192}),  # + the moe_down GEMM operand (bf16)
-    "nvfp4_given": (_nvfp4_kernel, {"MODE": 1, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
+    "nvfp4_given": (_nvfp4_kernel, {"GLOBAL": 1, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
                                     "BLOCK_K": 8192}),  # a given global scale (weights)
     "mxfp4_floor": (_mxfp4_kernel, {"RCEIL": 0, "RECIP": 1, "BLOCK_R": 1, "BLOCK_K": 8192}),
     # the router's softmax + top-8 of 128 experts, as route_topk launches it (8 rows a program)

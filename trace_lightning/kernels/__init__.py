@@ -5,7 +5,7 @@ Triton or the sim is trace_lightning.ops.backend_for's job alone. How they launc
 programmatic dependent launch) is a KernelOptions, set for a block of calls with `kernel_options(...)`.
 """
 
-from trace_lightning.kernels._common import AttentionLaunch, GemmLaunch, KernelOptions, kernel_options
+from trace_lightning.kernels._common import AttentionLaunch, GemmLaunch, KernelOptions, QuantizeLaunch, kernel_options
 from trace_lightning.kernels.kv import fp4_kv_attention, kv_append
 from trace_lightning.kernels.layout import prefers_value_tiles, prefers_word_layout, prepare_weight
 from trace_lightning.kernels.linear import fp4_linear
@@ -25,6 +25,7 @@ __all__ = [
     "AttentionLaunch",
     "GemmLaunch",
     "KernelOptions",
+    "QuantizeLaunch",
     "fake_quantize_nvfp4_rows",
     "fp4_kv_attention",
     "fp4_linear",

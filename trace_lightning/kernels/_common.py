@@ -84,6 +84,14 @@ class GemmLaunch:
 
 
 @dataclass(frozen=True)
+class QuantizeLaunch:
+    """One launch shape of the NVFP4 quantizers: rows and warps a program (K tiles stay whole rows up to 8192)."""
+
+    rows: int
+    warps: int
+
+
+@dataclass(frozen=True)
 class KernelOptions:
     """What a user or a benchmark may choose about how the Triton kernels launch (never what they compute), in the
     manner of triton_kernels' OptFlags. The engine passes its `kernel_options` down with `kernel_options(...)`;
@@ -107,6 +115,8 @@ class KernelOptions:
     """Launch shape of the fused MoE's gate/up GEMM (tools/sweep_moe.py varies it)."""
     moe_down: GemmLaunch = field(default_factory=GemmLaunch)
     """Launch shape of the fused MoE's down GEMM."""
+    quantize: QuantizeLaunch | None = None
+    """Launch shape of the NVFP4 quantizers (tools/sweep_quant.py varies it); None: quantize._launch_shape's by size."""
 
 
 DEFAULT_OPTIONS = KernelOptions()

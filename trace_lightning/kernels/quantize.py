@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trace_lightning.kernels._common import grid_dependency, sm_count
+from trace_lightning.kernels._common import active_options, grid_dependency, sm_count
 from trace_lightning.kernels._fp4 import (
     E2M1_CODE_BIAS,
     abs_bits_max,
@@ -29,7 +29,12 @@ from trace_lightning.quant import MXFP4, NVFP4
 from trace_lightning.quant.mxfp4 import check_mx_mode
 from trace_lightning.quant.nvfp4 import _check_global_scale
 
-GLOBAL_NONE, GLOBAL_GIVEN, GLOBAL_ROW = 0, 1, 2
+# Where the NVFP4 kernel's global scale comes from: none (1.0), given (a tensor or per-row one; weights), or computed
+# per row in the same pass (activations, K / V). Constexpr constants rather than an enum: a jit function may read
+# only tl.constexpr globals.
+GLOBAL_NONE = tl.constexpr(0)
+GLOBAL_GIVEN = tl.constexpr(1)
+GLOBAL_ROW = tl.constexpr(2)
 # What the NVFP4 kernel writes beside the bytes: nothing, the fake-quant value code * (scale * global) in x's dtype
 # (NVFP4.dequantize's order), or a GEMM operand code * scale with the global left for the caller's epilogue.
 DEQUANT_NONE = tl.constexpr(0)
@@ -155,16 +160,17 @@ def block_words(x, r, bad, NAN_SAFE: tl.constexpr, SATURATE: tl.constexpr = True
 
 
 @triton.jit
-def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr,
+def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL: tl.constexpr,
                  DEQUANT: tl.constexpr, RECIP: tl.constexpr, NB: tl.constexpr, amax_bits=None):
     """Quantize the loaded block_offsets tile x (float32, blocks k0 / 16 ..) of `rows` and store its bytes; amax_bits:
     its blocks' keys when the caller already has them."""
     if amax_bits is None:
         amax_bits = block_amax_bits(x)
-    byte, r, bad = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], MODE != 0, RECIP)
+    byte, r, bad = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], GLOBAL != GLOBAL_NONE, RECIP)
     # a given global scale can make r overflow to inf (0 * inf is NaN, code 7): each element is checked then (a
     # branch on whether any r of the program overflows made the kernel 2.3x slower on an H200: v14)
-    words, value = block_words(x, r, None if MODE == 1 else bad, MODE == 1, MODE != 2)
+    words, value = block_words(x, r, None if GLOBAL == GLOBAL_GIVEN else bad, GLOBAL == GLOBAL_GIVEN,
+                               GLOBAL != GLOBAL_ROW)
     _store_words(words_ptr, words, rows, k0, R, K, 2, NB)
     nb = k0 // 16 + tl.arange(0, NB)
     tl.store(scales_ptr + rows[None, :].to(tl.int64) * (K // 16) + nb[:, None], byte.to(tl.uint8),
@@ -193,7 +199,7 @@ def _load_blocks(x_ptr, rows, k0, R, K, PARTS: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
+def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL: tl.constexpr, DEQUANT: tl.constexpr,
                   RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                   PDL: tl.constexpr = False):
     await_previous_grid(PDL)
@@ -203,7 +209,7 @@ def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.co
     if ONE_PASS:  # whole rows in one chunk: x is read once, the row amax (from the blocks' amaxes) included
         x = _load_blocks(x_ptr, rows, 0, R, K, 2, NB)
         amax_bits = block_amax_bits(x)
-    if MODE == 2:
+    if GLOBAL == GLOBAL_ROW:
         if ONE_PASS:
             g = row_global_from_bits(tl.max(amax_bits, 0), RECIP)
         else:
@@ -213,12 +219,12 @@ def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.co
         g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
     inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
     if ONE_PASS:
-        _nvfp4_chunk(x, 0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, MODE, DEQUANT, RECIP, NB,
+        _nvfp4_chunk(x, 0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL, DEQUANT, RECIP, NB,
                      amax_bits)
     else:
         for k0 in range(0, K, BLOCK_K):
             _nvfp4_chunk(_load_blocks(x_ptr, rows, k0, R, K, 2, NB), k0, rows, g, inv_g, words_ptr, scales_ptr,
-                         dq_ptr, R, K, MODE, DEQUANT, RECIP, NB)
+                         dq_ptr, R, K, GLOBAL, DEQUANT, RECIP, NB)
 
 
 @triton.jit
@@ -287,9 +293,6 @@ def _rows_view(x: Tensor, block: int) -> Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-LAUNCH: tuple[int, int] | None = None  # (rows, warps) a program instead of _launch_shape's (tools/sweep_quant.py)
-
-
 def _launch_shape(R: int, K: int, device: torch.device, per_thread: int = 64) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_K, warps): whole rows up to 8192 wide (one pass: the row-global mode would otherwise
     read each row twice), about per_thread elements a thread, and few enough rows per program that a
@@ -301,12 +304,13 @@ def _launch_shape(R: int, K: int, device: torch.device, per_thread: int = 64) ->
     block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
     while block_r > 1 and triton.cdiv(R, block_r) < 2 * sm_count(device):
         block_r //= 2
-    if LAUNCH is not None:
-        return LAUNCH[0], block_k, LAUNCH[1]
+    launch = active_options().quantize
+    if launch is not None:
+        return launch.rows, block_k, launch.warps
     return block_r, block_k, max(4, block_r * block_k // (32 * per_thread))
 
 
-def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
+def _nvfp4(x: Tensor, g: Tensor | None, global_scale: tl.constexpr, dq: Tensor | None = None,
            dequant: tl.constexpr = DEQUANT_WITH_GLOBAL) -> tuple[Tensor, Tensor, Tensor]:
     """(packed, scales, row globals) of x; with dq given, also the `dequant` values into dq (x's shape)."""
     x2 = _rows_view(x, 16)
@@ -317,9 +321,10 @@ def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
     block_r, block_k, warps = _launch_shape(R, K, x.device, 64 if dq is None else 32)
     dequant = DEQUANT_NONE if dq is None else dequant
     words = packed.view(torch.int32)  # the kernel stores 8 codes a word
-    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, words, scales, packed if dq is None else dq, R, K, mode,
-                                              dequant.value, x.device.type == "cuda", block_k >= K, block_r,
-                                              block_k, num_warps=warps, **grid_dependency(x.device))
+    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, words, scales, packed if dq is None else dq, R, K,
+                                              global_scale.value, dequant.value, x.device.type == "cuda",
+                                              block_k >= K, block_r, block_k, num_warps=warps,
+                                              **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
 
