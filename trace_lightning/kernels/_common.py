@@ -93,9 +93,10 @@ class QuantizeLaunch:
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """What a user or a benchmark may choose about how the Triton kernels launch (never what they compute), in the
-    manner of triton_kernels' OptFlags. The engine passes its `kernel_options` down with `kernel_options(...)`;
-    every field's default is the measured best on an H200 (docs/benchmarks.md)."""
+    """What a user or a benchmark may choose about how the Triton kernels launch, in the manner of triton_kernels'
+    OptFlags: shapes and scheduling, never the arithmetic (another K tile may only regroup float32 sums). The engine
+    passes its `kernel_options` down with `kernel_options(...)`; every default is the measured best on an H200
+    (docs/benchmarks.md)."""
 
     autotune: bool = False
     """Autotune the GEMM and attention block shapes on CUDA (benchmarks, long rollouts). Off, the kernels take fixed
