@@ -13,10 +13,12 @@ The engine owns the model it is given: it converts it in place (FP4 modules, com
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -37,13 +39,16 @@ from trace_lightning.rollout.decode import DecodeLoop, DecodeState
 from trace_lightning.rollout.precision import FP4Precision, resolve_precision
 from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
 
+if TYPE_CHECKING:
+    from trace_lightning.kernels import KernelOptions
+
 
 class Engine:
     """Generates from ``model`` at ``precision`` ("fp32", "bf16" or an FP4Precision) on the model's device."""
 
     def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
                  sync_every: int = 8, fused_attention: bool | None = None, fused_norms: bool | None = None,
-                 cuda_graph: bool = True) -> None:
+                 cuda_graph: bool = True, kernel_options: KernelOptions | None = None) -> None:
         self.compute_dtype, self.fp4 = resolve_precision(precision)
         self.precision = precision
         self.config = model.config
@@ -54,6 +59,9 @@ class Engine:
         # attention over the packed FP4 cache (one kernel reading 4.5-bit K/V); default on for Triton, where the
         # dequantize-then-SDPA fallback would move more bytes than a bf16 cache
         self.fused_attention = is_triton(self.ops) if fused_attention is None else fused_attention
+        if kernel_options is not None and not is_triton(self.ops):
+            raise ValueError(f"kernel_options configure the Triton kernels; this engine runs {self.ops.__name__}")
+        self.kernel_options = kernel_options  # how the Triton kernels launch (autotune, shapes, PDL); None: defaults
         self.policy_version = 0
         model.eval().requires_grad_(False)
         self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
@@ -131,7 +139,9 @@ class Engine:
     def _forward(self, ids: Tensor, positions: Tensor, cache: KVCache, hook: FP4ActivationHook | None,
                  recorder: Recorder) -> Tensor:
         recorder.positions = positions
-        out: ModelOutput = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True)
+        options = self.kernel_options
+        with self.ops.kernel_options(options) if options is not None else contextlib.nullcontext():
+            out: ModelOutput = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True)
         recorder.observe_routes(out.routes)
         return out.logits
 
