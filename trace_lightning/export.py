@@ -51,11 +51,12 @@ ACTIVATIONS_W4A16 = ("activations=True: our FP4 activations take a per-row dynam
 
 
 def export_compressed(model: Transformer, out_dir: str | Path, fmt: FP4Format | str = "nvfp4",
-                      activations: bool = False, *, tokenizer_from: str | Path | None = None) -> Path:
+                      activations: bool = False, *, tokenizer_from: str | Path | None = None,
+                      max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write ``model`` (master weights) as a compressed-tensors FP4 folder that vLLM serves; return the folder.
 
     ``fmt``: "nvfp4", "mxfp4" or "mxfp4:rceil" (the engine's format names). ``tokenizer_from``: a folder whose
-    tokenizer files are copied next to the weights.
+    tokenizer files are copied next to the weights. Safetensors shards hold at most ``max_shard_bytes``.
     """
     weight_fmt = parse_format(fmt).for_weights()
     name = QUANT_FORMAT[weight_fmt.kind]
@@ -63,15 +64,15 @@ def export_compressed(model: Transformer, out_dir: str | Path, fmt: FP4Format | 
         warnings.warn(ACTIVATIONS_W4A16.format(format=name), stacklevel=2)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors, ignore, exact = compressed_state_dict(model, weight_fmt)
+    tensors, ignore, global_scales = compressed_state_dict(model, weight_fmt)
     dtype = model.norm.weight.dtype
     config_to_hf(model.config, dtype).save_pretrained(str(out))
     config_file = out / "config.json"
     config = json.loads(config_file.read_text())
     config["quantization_config"] = quantization_config(weight_fmt.kind, ignore)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    write_safetensors(tensors, out)
-    notes = {"global_scales": exact} if exact else {"mx_mode": weight_fmt.mx_mode}
+    write_safetensors(tensors, out, max_shard_bytes)
+    notes = {"global_scales": global_scales} if weight_fmt.kind == "nvfp4" else {"mx_mode": weight_fmt.mx_mode}
     (out / EXPORT_NOTES_FILE).write_text(json.dumps(notes, indent=0) + "\n")
     if tokenizer_from is not None:
         copy_tokenizer(Path(tokenizer_from), out)
@@ -94,7 +95,7 @@ def compressed_state_dict(model: Transformer, fmt: FP4Format) -> tuple[dict[str,
     c = model.config
     ours = _master_weights(model)
     tensors = to_hf_state_dict(model)
-    ignore, exact = ["lm_head"], {}
+    ignore, global_scales = ["lm_head"], {}
     for layer, rule in _rules(c):
         name = rule.ours.format(i=layer)
         modules = [k.removesuffix(".weight") for k in rule.hf_keys(c, layer)]
@@ -105,8 +106,8 @@ def compressed_state_dict(model: Transformer, fmt: FP4Format) -> tuple[dict[str,
         for module, packed, g in zip(modules, split_fp4(rule, q, c), module_global_scales(rule, q, c), strict=True):
             del tensors[module + ".weight"]
             tensors.update({f"{module}.{k}": v for k, v in packed.items()})
-            exact.update({} if g is None else {module: float(g).hex()})
-    return tensors, ignore, exact
+            global_scales.update({} if g is None else {module: float(g).hex()})
+    return tensors, ignore, global_scales
 
 
 def _rules(c: MoEConfig) -> Iterator[tuple[int, Rule]]:
