@@ -325,6 +325,12 @@ def test_load_hf_refuses_a_broken_compressed_folder(exported: dict, tmp_path: Pa
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"o_proj\.weight: weight_scale must be torch.float8_e4m3fn"):
         load_hf(tmp_path)
+    save_file(load_file(folder / "model.safetensors"), str(tmp_path / "model.safetensors"))
+    notes = json.loads((folder / "fp4_export.json").read_text())
+    notes["global_scales"]["model.layers.0.self_attn.q_proj"] = (0.5).hex()
+    (tmp_path / "fp4_export.json").write_text(json.dumps(notes))
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight: fp4_export\.json does not match weight_global_scale"):
+        load_hf(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"]["format"] = "pack-quantized"
     (tmp_path / "config.json").write_text(json.dumps(config))

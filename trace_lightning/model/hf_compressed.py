@@ -78,7 +78,7 @@ def packed_format(raw_config: dict[str, Any], where: Path) -> PackedFormat | Non
     if qc.get("quant_method") != "compressed-tensors":
         raise _error(f"{where}: quantization_config quant_method {qc.get('quant_method')!r} is not supported "
                      "(only compressed-tensors FP4 checkpoints)")
-    names = {qc.get("format")} | {g.get("format") for g in qc.get("config_groups", {}).values()} - {None}
+    names = ({qc.get("format")} | {g.get("format") for g in qc.get("config_groups", {}).values()}) - {None}
     if len(names) != 1 or next(iter(names)) not in PACKED_FORMATS:
         raise _error(f"{where}: compressed-tensors format {sorted(map(str, names))} is not supported; "
                      f"expected one of {sorted(PACKED_FORMATS)}")
@@ -138,7 +138,7 @@ class DequantizingReader:
                 raise _error(f"{key}: {EXPORT_NOTES_FILE} does not match {GLOBAL} (a stale or foreign file)")
             return engine_weight(packed, scales, g_ours, key)
         w = dequantize_packed(packed, scales, g, self.fmt, key)
-        return stable_rceil(w, scales, key) if self.notes.mx_mode == "rceil" else w
+        return stable_rceil(w, scales, key) if self.notes.mx_mode == "rceil" and not self.fmt.global_scale else w
 
 
 def _check_parts(packed: Tensor, scales: Tensor, g: Tensor | None, fmt: PackedFormat, key: str) -> None:
