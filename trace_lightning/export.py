@@ -100,14 +100,21 @@ def compressed_state_dict(model: Transformer, fmt: FP4Format) -> tuple[dict[str,
         name = rule.ours.format(i=layer)
         modules = [k.removesuffix(".weight") for k in rule.hf_keys(c, layer)]
         if not is_fp4_weight(name, c):
-            ignore += modules if DENSE_LINEAR.search(name) or is_fp4_weight(name) else []
+            ignore += modules + _expert_container(rule, layer) if DENSE_LINEAR.search(name) or is_fp4_weight(name) \
+                else []
             continue
         q = quantize_weight(ours[name], fmt)
         for module, packed, g in zip(modules, split_fp4(rule, q, c), module_global_scales(rule, q, c), strict=True):
             del tensors[module + ".weight"]
             tensors.update({f"{module}.{k}": v for k, v in packed.items()})
             global_scales.update({} if g is None else {module: float(g).hex()})
-    return tensors, ignore, global_scales
+    return tensors, list(dict.fromkeys(ignore)), global_scales
+
+
+def _expert_container(rule: Rule, layer: int) -> list[str]:
+    """``model.layers.{i}.mlp.experts`` for a per-expert rule: the name vLLM gives the fused MoE layer, for
+    loaders that look it up in ``ignore`` instead of the per-expert module names."""
+    return [rule.hf[0].split(".{j}")[0].format(i=layer)] if "{j}" in rule.hf[0] else []
 
 
 def _rules(c: MoEConfig) -> Iterator[tuple[int, Rule]]:

@@ -148,11 +148,13 @@ def test_packed_bytes_are_the_engines(case: str, exported: dict) -> None:
         assert torch.equal(tensors[module + ".weight_packed"], packed[module]), module
         assert torch.equal(tensors[module + ".weight_scale"].view(torch.uint8), scales[module]), module
     c = model.config
+    ignore = json.loads((folder / "config.json").read_text())["quantization_config"]["ignore"]
+    moe = "block_sparse_moe" if c.hf_architecture.startswith("Mixtral") else "mlp"
     for i in range(c.n_layers):  # the boundary layers (and only they) are dense and ignored
-        q_proj = f"model.layers.{i}.self_attn.q_proj"
-        assert (q_proj + ".weight" in tensors) == (not c.is_quantized_layer(i))
-        assert (q_proj in json.loads((folder / "config.json").read_text())["quantization_config"]["ignore"]) == \
+        q_proj, experts = f"model.layers.{i}.self_attn.q_proj", f"model.layers.{i}.{moe}.experts"
+        assert (q_proj + ".weight" in tensors) == (q_proj in ignore) == (experts in ignore) == \
             (not c.is_quantized_layer(i))
+        assert f"model.layers.{i}.{moe}.gate" in ignore
     dense = to_hf_state_dict(model)
     for key, t in tensors.items():
         if key.endswith(".weight") or key.endswith(".bias"):
