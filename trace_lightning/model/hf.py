@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from trace_lightning.model.config import MoEConfig
+from trace_lightning.model.hf_compressed import boundary_layers, dequantizing_reader
 from trace_lightning.model.model import Transformer
 
 FromHF = Callable[[list[Tensor], MoEConfig], Tensor]
@@ -244,6 +245,7 @@ def config_from_hf(path: str | Path) -> MoEConfig:
         raise CheckpointError(f"{path / 'config.json'}: unsupported rope type {rope['rope_type']!r}")
     values = {ours: getattr(hf, key) for key, ours in {**COMMON_FIELDS, **family.fields}.items()}
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
+    values.update(boundary_layers(path, raw, values["n_layers"]))  # an exported FP4 policy's bf16 layers
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     try:
         config = MoEConfig(name=path.name, hf_architecture=architecture, head_dim=head_dim,
@@ -359,7 +361,7 @@ def load_hf_state_dict(path: str | Path, config: MoEConfig, dtype: torch.dtype =
     """Our complete, validated state dict from a checkpoint folder (raises ``CheckpointError`` on any problem)."""
     path = Path(path)
     family = family_for(config.hf_architecture)
-    reader = _SafetensorsReader(path)
+    reader = dequantizing_reader(_SafetensorsReader(path), path)  # FP4 Linears read as dense weights
     expected = _expected_shapes(config)
     jobs = list(_layer_rules(family, config))
     jobs += [(i, rule) for i in range(config.n_layers) for rule in _pick_layout(family, reader, config, i)]
@@ -431,7 +433,12 @@ def save_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf_state_dict(model)
+    config_to_hf(model.config, model.norm.weight.dtype).save_pretrained(str(path))
+    write_safetensors(to_hf_state_dict(model), path, max_shard_bytes)
+
+
+def write_safetensors(tensors: dict[str, Tensor], path: Path, max_shard_bytes: int = 5 * 2**30) -> None:
+    """``model.safetensors``, or shards of at most ``max_shard_bytes`` and their index, as transformers writes."""
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
     for key, t in tensors.items():
@@ -441,8 +448,6 @@ def save_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**
             size = 0
         shards[-1][key] = t
         size += nbytes
-    dtype = model.norm.weight.dtype
-    config_to_hf(model.config, dtype).save_pretrained(str(path))
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
         return
