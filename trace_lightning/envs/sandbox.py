@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,20 +199,22 @@ def _launch(job: bytes, root: str, isolation: str, timeout_s: float, max_bytes: 
     cwd = os.path.join(root, "cwd")
     os.mkdir(cwd)
     with open(os.path.join(root, "stdout"), "w+b") as out, open(os.path.join(root, "seccomp"), "w+b") as bpf:
-        bpf.write(seccomp_filter() if isolation == "bwrap" else b"")
-        bpf.flush()
-        bpf.seek(0)
         r_info, w_info = os.pipe()
         try:
-            prefix = bwrap_argv(bpf.fileno(), w_info) if isolation == "bwrap" else []
-            argv = prefix + [interpreter()[0] if prefix else sys.executable, "-I", "-S", "-c", _HARNESS]
+            if isolation == "bwrap":
+                bpf.write(seccomp_filter())
+                bpf.flush()
+                bpf.seek(0)
+                argv, fds = bwrap_argv(bpf.fileno(), w_info) + [interpreter()[0]], (bpf.fileno(), w_info)
+            else:
+                argv, fds = [sys.executable], ()
             proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.DEVNULL, cwd=cwd, env={},
-                start_new_session=True, pass_fds=(bpf.fileno(), w_info) if prefix else (),
+                argv + ["-I", "-S", "-c", _HARNESS], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.DEVNULL,
+                cwd=cwd, env={}, start_new_session=True, pass_fds=fds,
             )  # fmt: skip
             os.close(w_info)
             w_info = -1
-            status = _wait(proc, job, timeout_s, r_info if prefix else -1)
+            status = _wait(proc, job, timeout_s, r_info if fds else -1)
         finally:
             os.close(r_info)
             if w_info >= 0:
@@ -221,46 +224,46 @@ def _launch(job: bytes, root: str, isolation: str, timeout_s: float, max_bytes: 
 
 
 def _wait(proc: subprocess.Popen[bytes], job: bytes, timeout_s: float, info_fd: int) -> str:
-    """Feed the job, wait up to timeout_s, then make sure every process of the sandbox is gone."""
+    """Feed the job, wait up to timeout_s, then make sure every process of the sandbox is gone.
+
+    The namespace's init is pinned (pidfd) before the job is sent: the harness blocks on its stdin until
+    then, so init is alive when pinned and the pidfd can never name a recycled pid.
+    """
+    deadline = time.monotonic() + timeout_s
+    init = _pin_namespace_init(info_fd, timeout_s) if info_fd >= 0 else -1
     try:
-        proc.communicate(job, timeout=timeout_s)
+        proc.communicate(job, timeout=max(0.0, deadline - time.monotonic()))
         return f"exit code {proc.returncode}"
     except subprocess.TimeoutExpired:
         return "timeout"
     finally:
-        _kill_tree(proc, info_fd)
+        _kill_tree(proc, init)
 
 
-def _kill_tree(proc: subprocess.Popen[bytes], info_fd: int) -> None:
-    """SIGKILL the sandbox's PID-namespace init (the kernel then kills all of its processes), wait for it,
-    then SIGKILL the child's process group and reap the child."""
-    init_pid = _namespace_init(info_fd) if proc.poll() is None else None
-    if init_pid is not None:
+def _pin_namespace_init(info_fd: int, timeout_s: float) -> int:
+    """A pidfd of the sandbox's PID-namespace init (from bwrap's --info-fd JSON), or -1."""
+    if not select.select([info_fd], [], [], timeout_s)[0]:
+        return -1
+    try:
+        pid = json.loads(os.read(info_fd, 4096)).get("child-pid")
+        return os.pidfd_open(pid) if isinstance(pid, int) and pid > 1 else -1
+    except (OSError, ValueError, AttributeError):
+        return -1
+
+
+def _kill_tree(proc: subprocess.Popen[bytes], init: int) -> None:
+    """SIGKILL the namespace's init (the kernel then kills every process in it) and wait until it has
+    exited, which the kernel signals only once the namespace is empty; then reap the child."""
+    if init >= 0:
         try:
-            pidfd = os.pidfd_open(init_pid)
-        except OSError:
-            pidfd = -1
-        if pidfd >= 0:
-            try:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                select.select([pidfd], [], [], 5.0)  # readable once it and its namespace are gone
-            except OSError:
-                pass
-            finally:
-                os.close(pidfd)
+            signal.pidfd_send_signal(init, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            select.select([init], [], [], 5.0)
+            os.close(init)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
-
-
-def _namespace_init(info_fd: int) -> int | None:
-    """The host pid of the sandbox's PID-namespace init, from bwrap's --info-fd JSON, or None."""
-    if info_fd < 0 or not select.select([info_fd], [], [], 0)[0]:
-        return None
-    try:
-        pid = json.loads(os.read(info_fd, 4096)).get("child-pid")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return pid if isinstance(pid, int) and pid > 1 else None
