@@ -257,6 +257,13 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
     "renice-init": ("import os\ndef f(x):\n    os.setpriority(os.PRIO_PROCESS, 1, 19)\n    return 1", _expect_refused),
     "repin-parent": ("import os\ndef f(x):\n    os.sched_setaffinity({ppid}, {{0}})\n    return 1", _expect_refused),
     "repin-decoy": ("import os\ndef f(x):\n    os.sched_setaffinity({pid}, {{0}})\n    return 1", _expect_refused),
+    # --- privileges
+    "exec-setuid-binary": ("import os\ndef f(x):\n    os.execv('/usr/bin/su', ['su', '-c', 'kill -9 {ppid}'])", None),
+    "process-flags": (
+        "def f(x):\n    keep = ('Uid:', 'CapEff:', 'CapBnd:', 'NoNewPrivs:', 'Seccomp:')\n"
+        "    return [ln.split() for ln in open('/proc/self/status') if ln.startswith(keep)]",
+        lambda r: _returned(r) == [["Uid:"] + ["65534"] * 4, ["CapEff:", "0" * 16], ["CapBnd:", "0" * 16],
+                                   ["NoNewPrivs:", "1"], ["Seccomp:", "2"]]),
     # --- reading what is not ours
     "pwd-module": ("import pwd\ndef f(x):\n    return [p.pw_name for p in pwd.getpwall()]",
                    lambda r: not set(_returned(r) or []) & (_host_users() - {"nobody"})),
@@ -300,6 +307,8 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
                     lambda r: r.status == "crashed"),
     "tmp-disk-bomb": ("def f(x):\n    with open('/tmp/big', 'wb') as fh:\n        while True:\n"
                       "            fh.write(b'x' * (1 << 20))", _expect_refused),
+    "dev-shm-fill": ("def f(x):\n    open('/dev/shm/big', 'wb').write(b'x' * (64 << 20))\n    return 1",
+                     _expect_refused),
     "fd-bomb": ("import os\ndef f(x):\n    while True:\n        os.dup(0)", _expect_refused),
     # --- leftover processes
     "daemonise-double-fork": (

@@ -1,9 +1,11 @@
 """The outer wall around model-written code: bubblewrap namespaces plus a seccomp filter.
 
 The sandboxed interpreter runs under `bwrap` (Debian/Ubuntu package `bubblewrap`) in new user, PID,
-network, IPC, UTS, cgroup and mount namespaces, as uid/gid 65534 with no capabilities, on a root that
-holds only read-only binds of /usr and the Python installation, a private size-capped /tmp, the
-/proc of its own PID namespace and a read-only minimal /dev. The environment is cleared.
+network, IPC, UTS, cgroup and mount namespaces, as uid/gid 65534 with an empty capability bounding set
+and no_new_privs (setuid binaries give nothing), on a root that holds only read-only binds of /usr and
+the Python installation, a private size-capped /tmp, the /proc of its own PID namespace and a read-only
+minimal /dev. The environment is cleared; it dies with its parent. Outside the namespace its processes
+keep the trainer's uid (root when the trainer is root), without any capability.
 
 A seccomp filter (built here as classic BPF, no libseccomp needed) refuses process creation
 (fork, vfork, clone, clone3: this is what stops fork bombs even when the trainer runs as root, where
@@ -116,7 +118,7 @@ def bwrap_argv(seccomp_fd: int, info_fd: int) -> list[str]:
         BWRAP,
         "--unshare-all", "--unshare-user", "--disable-userns",
         "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-        "--die-with-parent", "--new-session", "--clearenv",
+        "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
         *_root_binds(),
         "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
         "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
