@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from trace_lightning.envs.isolation import bwrap_argv, interpreter, require_isolation, seccomp_filter
 
@@ -198,29 +198,38 @@ def _launch(job: bytes, root: str, isolation: str, timeout_s: float, max_bytes: 
     """Run the harness on job; return (the first max_bytes of its stdout, "exit code N" or "timeout")."""
     cwd = os.path.join(root, "cwd")
     os.mkdir(cwd)
-    with open(os.path.join(root, "stdout"), "w+b") as out, open(os.path.join(root, "seccomp"), "w+b") as bpf:
-        r_info, w_info = os.pipe()
-        try:
-            if isolation == "bwrap":
-                bpf.write(seccomp_filter())
-                bpf.flush()
-                bpf.seek(0)
-                argv, fds = bwrap_argv(bpf.fileno(), w_info) + [interpreter()[0]], (bpf.fileno(), w_info)
-            else:
-                argv, fds = [sys.executable], ()
-            proc = subprocess.Popen(
-                argv + ["-I", "-S", "-c", _HARNESS], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.DEVNULL,
-                cwd=cwd, env={}, start_new_session=True, pass_fds=fds,
-            )  # fmt: skip
-            os.close(w_info)
-            w_info = -1
-            status = _wait(proc, job, timeout_s, r_info if fds else -1)
-        finally:
-            os.close(r_info)
-            if w_info >= 0:
-                os.close(w_info)
+    with open(os.path.join(root, "stdout"), "w+b") as out:
+        if isolation == "none":
+            status = _wait(_spawn([sys.executable], out, cwd, ()), job, timeout_s, -1)
+        else:
+            status = _launch_bwrap(job, out, cwd, timeout_s)
         out.seek(0)
         return out.read(max_bytes), status
+
+
+def _launch_bwrap(job: bytes, out: BinaryIO, cwd: str, timeout_s: float) -> str:
+    """The harness under bwrap: the seccomp program goes in on a memfd, the namespace's pid comes back on a pipe."""
+    seccomp = os.memfd_create("tl-seccomp")
+    r_info, w_info = os.pipe()
+    try:
+        os.write(seccomp, seccomp_filter())
+        os.lseek(seccomp, 0, os.SEEK_SET)
+        proc = _spawn(bwrap_argv(seccomp, w_info) + [interpreter()[0]], out, cwd, (seccomp, w_info))
+        os.close(w_info)
+        w_info = -1  # bwrap holds the only write end now, so its exit shows as EOF
+        return _wait(proc, job, timeout_s, r_info)
+    finally:
+        for fd in (seccomp, r_info, w_info):
+            if fd >= 0:
+                os.close(fd)
+
+
+def _spawn(command: list[str], out: BinaryIO, cwd: str, fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    """Start `command -I -S -c HARNESS` in a new session with an empty environment, stdout to out."""
+    return subprocess.Popen(
+        command + ["-I", "-S", "-c", _HARNESS], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.DEVNULL,
+        cwd=cwd, env={}, start_new_session=True, pass_fds=fds,
+    )  # fmt: skip
 
 
 def _wait(proc: subprocess.Popen[bytes], job: bytes, timeout_s: float, info_fd: int) -> str:
@@ -230,8 +239,10 @@ def _wait(proc: subprocess.Popen[bytes], job: bytes, timeout_s: float, info_fd: 
     then, so init is alive when pinned and the pidfd can never name a recycled pid.
     """
     deadline = time.monotonic() + timeout_s
-    init = _pin_namespace_init(info_fd, timeout_s) if info_fd >= 0 else -1
+    init = -1
     try:
+        if info_fd >= 0:
+            init = _pin_namespace_init(info_fd, timeout_s)
         proc.communicate(job, timeout=max(0.0, deadline - time.monotonic()))
         return f"exit code {proc.returncode}"
     except subprocess.TimeoutExpired:
