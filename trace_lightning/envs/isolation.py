@@ -4,8 +4,9 @@ The sandboxed interpreter runs under `bwrap` (Debian/Ubuntu package `bubblewrap`
 network, IPC, UTS, cgroup and mount namespaces, as uid/gid 65534 with an empty capability bounding set
 and no_new_privs (setuid binaries give nothing), on a root that holds only read-only binds of /usr and
 the Python installation, a private size-capped /tmp, the /proc of its own PID namespace and a read-only
-minimal /dev. The environment is cleared; it dies with its parent. Outside the namespace its processes
-keep the trainer's uid (root when the trainer is root), without any capability.
+minimal /dev. The environment is cleared; it dies with its parent. A root trainer starts bwrap as
+uid 65534 when that uid can execute the interpreter; otherwise the sandbox's processes keep the
+trainer's uid outside their namespaces, without any capability.
 
 A seccomp filter (built here as classic BPF, no libseccomp needed) refuses process creation
 (fork, vfork, clone, clone3: this is what stops fork bombs even when the trainer runs as root, where
@@ -19,9 +20,11 @@ import functools
 import os
 import platform
 import shutil
+import stat
 import struct
 import subprocess
 import sys
+from typing import Any
 
 BWRAP = "bwrap"
 INSTALL_HINT = (
@@ -95,6 +98,29 @@ def interpreter() -> tuple[str, str]:
     return os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
 
 
+def _others_can_run(path: str) -> bool:
+    """Whether a user with no special access can reach and execute path (o+x on it and every parent)."""
+    while True:
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return False
+        if path == "/":
+            return True
+        path = os.path.dirname(path)
+
+
+def spawn_user() -> dict[str, Any]:
+    """subprocess.Popen arguments that start bwrap as uid/gid 65534 when the trainer is root.
+
+    Then the sandbox's processes are nobody outside their namespaces too, so RLIMIT_NPROC binds them and
+    the kernel checks file access as nobody. Only possible when nobody can execute the interpreter
+    (not for one under a 0700 /root); otherwise the sandbox runs as the trainer's uid, as it does for
+    non-root trainers anyway.
+    """
+    if os.geteuid() != 0 or not all(_others_can_run(p) for p in interpreter()):
+        return {}
+    return {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+
+
 def _root_binds() -> list[str]:
     """ro-binds (or symlinks, where the host has merged /usr) of the system dirs an interpreter loads from."""
     args = ["--ro-bind", "/usr", "/usr"]
@@ -143,7 +169,9 @@ def bwrap_problem() -> str | None:
         os.write(seccomp, seccomp_filter())
         os.lseek(seccomp, 0, os.SEEK_SET)
         argv = bwrap_argv(seccomp, w_info) + [interpreter()[0], "-I", "-S", "-c", "pass"]
-        proc = subprocess.run(argv, pass_fds=(seccomp, w_info), capture_output=True, timeout=30, check=False)
+        proc = subprocess.run(
+            argv, pass_fds=(seccomp, w_info), capture_output=True, timeout=30, check=False, cwd="/", **spawn_user()
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"`{BWRAP}` could not run a sandboxed Python: {e!r}"
     finally:

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from trace_lightning.envs.isolation import bwrap_argv, interpreter, require_isolation, seccomp_filter
+from trace_lightning.envs.isolation import bwrap_argv, interpreter, require_isolation, seccomp_filter, spawn_user
 
 # Run by the child as `python -I -S -c _HARNESS`; the job (source, calls, token, limits) arrives on stdin.
 _HARNESS = r"""
@@ -214,7 +214,7 @@ def _launch_bwrap(job: bytes, out: BinaryIO, cwd: str, timeout_s: float) -> str:
     try:
         os.write(seccomp, seccomp_filter())
         os.lseek(seccomp, 0, os.SEEK_SET)
-        proc = _spawn(bwrap_argv(seccomp, w_info) + [interpreter()[0]], out, cwd, (seccomp, w_info))
+        proc = _spawn(bwrap_argv(seccomp, w_info) + [interpreter()[0]], out, "/", (seccomp, w_info), spawn_user())
         os.close(w_info)
         w_info = -1  # bwrap holds the only write end now, so its exit shows as EOF
         return _wait(proc, job, timeout_s, r_info)
@@ -224,11 +224,13 @@ def _launch_bwrap(job: bytes, out: BinaryIO, cwd: str, timeout_s: float) -> str:
                 os.close(fd)
 
 
-def _spawn(command: list[str], out: BinaryIO, cwd: str, fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+def _spawn(
+    command: list[str], out: BinaryIO, cwd: str, fds: tuple[int, ...], user: dict[str, Any] | None = None
+) -> subprocess.Popen[bytes]:
     """Start `command -I -S -c HARNESS` in a new session with an empty environment, stdout to out."""
     return subprocess.Popen(
         command + ["-I", "-S", "-c", _HARNESS], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.DEVNULL,
-        cwd=cwd, env={}, start_new_session=True, pass_fds=fds,
+        cwd=cwd, env={}, start_new_session=True, pass_fds=fds, **(user or {}),
     )  # fmt: skip
 
 
