@@ -11,8 +11,9 @@ Layers, outermost first; none is trusted alone:
 - an audit hook (PEP 578), installed just before the code is compiled, that allows only the `compile`
   and `exec` events: imports of modules not yet loaded, open(), os.system / fork / exec, sockets,
   ctypes, frame and gc introspection, setrlimit ... raise PermissionError;
-- a wall-clock timeout in the parent that kills the sandbox's PID namespace (its init, so the kernel
-  kills every process in it) and waits until it is gone.
+- a wall-clock timeout in the parent, counted from when bwrap has set the namespaces up, after which
+  it kills the sandbox's PID namespace (its init, so the kernel kills every process in it) and waits
+  until it is gone.
 
 Results come back on stdout in one frame written by the harness after the code returned: a per-run
 random token (sent on stdin, kept only in a local the code cannot reach), the payload length, and a
@@ -40,6 +41,9 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from trace_lightning.envs.isolation import bwrap_argv, interpreter, require_isolation, seccomp_filter, spawn_user
+
+STARTUP_S = 10.0
+"""Longest wait for bwrap to report its namespaces (not counted in timeout_s)."""
 
 # Run by the child as `python -I -S -c _HARNESS`; the job (source, calls, token, limits) arrives on stdin.
 _HARNESS = r"""
@@ -238,14 +242,14 @@ def _wait(proc: subprocess.Popen[bytes], job: bytes, timeout_s: float, info_fd: 
     """Feed the job, wait up to timeout_s, then make sure every process of the sandbox is gone.
 
     The namespace's init is pinned (pidfd) before the job is sent: the harness blocks on its stdin until
-    then, so init is alive when pinned and the pidfd can never name a recycled pid.
+    then, so init is alive when pinned and the pidfd can never name a recycled pid. The clock starts once
+    bwrap has set the namespaces up (it gets STARTUP_S for that), so a loaded machine does not eat it.
     """
-    deadline = time.monotonic() + timeout_s
     init = -1
     try:
         if info_fd >= 0:
-            init = _pin_namespace_init(info_fd, timeout_s)
-        proc.communicate(job, timeout=max(0.0, deadline - time.monotonic()))
+            init = _pin_namespace_init(info_fd, STARTUP_S)
+        proc.communicate(job, timeout=timeout_s)
         return f"exit code {proc.returncode}"
     except subprocess.TimeoutExpired:
         return "timeout"
@@ -254,14 +258,23 @@ def _wait(proc: subprocess.Popen[bytes], job: bytes, timeout_s: float, info_fd: 
 
 
 def _pin_namespace_init(info_fd: int, timeout_s: float) -> int:
-    """A pidfd of the sandbox's PID-namespace init (from bwrap's --info-fd JSON), or -1."""
-    if not select.select([info_fd], [], [], timeout_s)[0]:
-        return -1
-    try:
-        pid = json.loads(os.read(info_fd, 4096)).get("child-pid")
-        return os.pidfd_open(pid) if isinstance(pid, int) and pid > 1 else -1
-    except (OSError, ValueError, AttributeError):
-        return -1
+    """A pidfd of the sandbox's PID-namespace init, or -1: bwrap's --info-fd JSON, which can arrive in pieces."""
+    deadline, info = time.monotonic() + timeout_s, b""
+    while select.select([info_fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        chunk = os.read(info_fd, 4096)
+        if not chunk:
+            return -1
+        info += chunk
+        try:
+            doc = json.loads(info)
+        except ValueError:
+            continue  # not the whole document yet
+        pid = doc.get("child-pid") if isinstance(doc, dict) else None
+        try:
+            return os.pidfd_open(pid) if isinstance(pid, int) and pid > 1 else -1
+        except OSError:
+            return -1
+    return -1
 
 
 def _kill_tree(proc: subprocess.Popen[bytes], init: int) -> None:
