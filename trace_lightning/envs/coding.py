@@ -99,8 +99,8 @@ class CodingEnv:
         memory_mb: int = 256,
         isolation: str = "bwrap",
     ) -> None:
-        """isolation: "bwrap" (namespaces + seccomp; required unless) "none", the explicit opt-in to a weaker
-        sandbox (rlimits and an audit hook only) for machines without bubblewrap."""
+        """isolation: "bwrap" (namespaces + seccomp, the default; the env refuses to start without a working
+        bwrap) or "none", the explicit opt-in to a weaker sandbox (rlimits and an audit hook only)."""
         unknown = set(kinds) - set(INPUTS)
         if unknown:
             raise ValueError(f"unknown input kinds {sorted(unknown)}; known: {sorted(INPUTS)}")
