@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_lightning.envs.sandbox import _parse
+from trace_lightning.envs.sandbox import _parse, run_sandboxed
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 
@@ -46,3 +46,14 @@ def test_anything_else_is_crashed_with_a_reason() -> None:
 def test_parse_never_raises(before: bytes, payload: bytes, n_calls: int) -> None:
     for data in (before, before + frame(payload), before + frame(payload)[:-1]):
         assert _parse(data, TOKEN, n_calls).status in ("ok", "error", "crashed")
+
+
+def test_code_cannot_rebind_how_the_harness_reports() -> None:
+    """Rebinding the harness module's names (or builtins) does not change what it reports f returned."""
+    code = (
+        "import sys, builtins\nm = sys.modules['__main__']\n"
+        "m._literal = lambda v, depth=0: repr(v + 1000)\nm._name = lambda e: repr('Forged')\n"
+        "builtins.repr = lambda v: '0'\nbuiltins.type = lambda v: int\n"
+        "def f(x):\n    return x if x else 1 // x"
+    )
+    assert run_sandboxed(code, "f", [(5,), (0,)]).outputs == [("ok", 5), ("error", "ZeroDivisionError")]

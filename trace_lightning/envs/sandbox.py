@@ -53,27 +53,6 @@ def _guard(event, args, _allowed=frozenset(("compile", "exec"))):
     if event not in _allowed:
         raise PermissionError("sandbox refused " + event)
 
-def _literal(v, depth=0, _type=type, _int=int.__repr__, _float=float.__repr__, _str=str.__repr__, _inf=float("inf")):
-    t = _type(v)
-    if depth > 30:
-        raise ValueError("nested too deep")
-    if t is int:
-        return _int(v)
-    if t is str:
-        return _str(v)
-    if t is bool or v is None:
-        return "True" if v is True else "False" if v is False else "None"
-    if t is float and -_inf < v < _inf:
-        return _float(v)
-    if t is list or t is tuple:
-        body = ",".join([_literal(x, depth + 1) for x in v])
-        return "[" + body + "]" if t is list else "(" + body + ",)"
-    raise TypeError("not a plain literal")
-
-def _name(e, _type=type, _str=str):
-    n = _type(e).__name__
-    return _str.__repr__(n[:80] if _type(n) is _str else "?")
-
 def _main(_write=posix.write, _exit=posix._exit, _join=",".join, _len=len, _str=str):
     job = b""
     while True:
@@ -83,6 +62,29 @@ def _main(_write=posix.write, _exit=posix._exit, _join=",".join, _len=len, _str=
         job += chunk
     source, entry, calls, token, limits, audit = marshal.loads(job)
     del job
+    # Locals, not globals: the code can rebind __main__'s names, never these.
+    def _literal(v, depth=0, _type=type, _int=int.__repr__, _float=float.__repr__, _str=str.__repr__,
+                 _inf=float("inf")):
+        t = _type(v)
+        if depth > 30:
+            raise ValueError("nested too deep")
+        if t is int:
+            return _int(v)
+        if t is str:
+            return _str(v)
+        if t is bool or v is None:
+            return "True" if v is True else "False" if v is False else "None"
+        if t is float and -_inf < v < _inf:
+            return _float(v)
+        if t is list or t is tuple:
+            body = ",".join([_literal(x, depth + 1) for x in v])
+            return "[" + body + "]" if t is list else "(" + body + ",)"
+        raise TypeError("not a plain literal")
+
+    def _name(e, _type=type, _str=str):
+        n = _type(e).__name__
+        return _str.__repr__(n[:80] if _type(n) is _str else "?")
+
     for res, lim in zip((resource.RLIMIT_CPU, resource.RLIMIT_AS, resource.RLIMIT_FSIZE, resource.RLIMIT_CORE,
                          resource.RLIMIT_NOFILE, resource.RLIMIT_NPROC), limits):
         resource.setrlimit(res, (lim, lim))
