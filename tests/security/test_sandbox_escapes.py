@@ -14,6 +14,7 @@ import ctypes
 import os
 import secrets
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class Outside:
     secret: str
     priority: int
     affinity: set[int]
+    hostname: str
 
     def fields(self) -> dict[str, Any]:
         return {
@@ -114,8 +116,6 @@ def subreaper() -> Iterator[None]:
 
 @pytest.fixture
 def outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Outside]:
-    import subprocess
-
     (tmp_path / "secret.txt").write_bytes(b"the parent's data")
     tmp_path.chmod(0o777)
     secret = secrets.token_hex(16)
@@ -131,7 +131,7 @@ def outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Outside
         s.setblocking(False)
     decoy = subprocess.Popen(["sleep", "120"], start_new_session=True)
     yield Outside(decoy, tmp_path, _snapshot(tmp_path), tcp, udp, unix, unix_name, secret,
-                  os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0))  # fmt: skip
+                  os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0), socket.gethostname())  # fmt: skip
     decoy.kill()
     decoy.wait()
     for s in (tcp, udp, unix):
@@ -158,6 +158,7 @@ def check_contained(out: Outside, result: Any, elapsed: float) -> None:
         assert os.getpriority(os.PRIO_PROCESS, pid) == out.priority, "a process was reniced"
         assert os.sched_getaffinity(pid) == out.affinity, "a process was re-pinned"
     assert _snapshot(out.dir) == out.files, "the directory outside changed"
+    assert socket.gethostname() == out.hostname, "the hostname changed"
     assert oct(out.dir.stat().st_mode & 0o777) == oct(0o777)
     assert all(_received_nothing(s) for s in (out.tcp, out.udp, out.unix)), "a listener outside was reached"
     left = {pid for pid in _descendants(os.getpid()) - {out.decoy.pid} if not _reaped_zombie(pid)}
@@ -257,6 +258,8 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
     "renice-init": ("import os\ndef f(x):\n    os.setpriority(os.PRIO_PROCESS, 1, 19)\n    return 1", _expect_refused),
     "repin-parent": ("import os\ndef f(x):\n    os.sched_setaffinity({ppid}, {{0}})\n    return 1", _expect_refused),
     "repin-decoy": ("import os\ndef f(x):\n    os.sched_setaffinity({pid}, {{0}})\n    return 1", _expect_refused),
+    "sethostname": ("import socket\ndef f(x):\n    socket.sethostname('pwned')\n    return socket.gethostname()",
+                    _expect_refused),
     # --- privileges
     "exec-setuid-binary": ("import os\ndef f(x):\n    os.execv('/usr/bin/su', ['su', '-c', 'kill -9 {ppid}'])", None),
     "process-flags": (
