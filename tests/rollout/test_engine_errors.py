@@ -51,8 +51,8 @@ def test_non_finite_or_negative_temperature_is_refused(temperature: float) -> No
         ([[1, 2.0]], r"prompt 0: token 2\.0 at position 1 is not an id"),
         ([[1, 2], [1, None]], r"prompt 1: token None at position 1"),
         ([[1, 200]], r"prompt 0: token 200 at position 1 is not an id in \[0, 128\)"),
-        ([[1, 2], []], "prompt 1 must be a non-empty list of token ids"),
-        (["hello"], "prompt 0 must be a non-empty list of token ids"),
+        ([[1, 2], []], "prompt 1 is empty"),
+        (["hello"], "prompt 0 must be a list of token ids, got 'hello'"),
         ([], "non-empty list of prompts"),
     ],
 )

@@ -298,8 +298,10 @@ def _as_id(value: object, what: str) -> int:
 
 
 def _prompt_ids(i: int, prompt: object, vocab: int) -> list[int]:
-    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | Tensor) or len(prompt) == 0:
-        raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {prompt!r:.60}")
+    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | Tensor):
+        raise ValueError(f"prompt {i} must be a list of token ids, got {prompt!r:.60}")
+    if len(prompt) == 0:
+        raise ValueError(f"prompt {i} is empty")
     for j, t in enumerate(prompt):
         if not _is_integer(t) or not 0 <= int(t) < vocab:
             raise ValueError(f"prompt {i}: token {t!r} at position {j} is not an id in [0, {vocab})")
