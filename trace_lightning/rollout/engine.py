@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
+from trace_lightning.guidance.record import tensor_digests, weights_fingerprint
 from trace_lightning.model.model import Attention, ModelOutput, RMSNorm, Router
 from trace_lightning.ops import backend_for, is_triton
 from trace_lightning.rollout.batch import CaptureSpec, FinishReason, RolloutBatch, SamplingParams
@@ -57,6 +58,7 @@ class Engine:
         self.fused_attention = is_triton(self.ops) if fused_attention is None else fused_attention
         self.policy_version = 0
         check_weights(model.state_dict(), "Engine")
+        self._digests = tensor_digests(model.state_dict())  # master weights, before any FP4 conversion or cast
         model.eval().requires_grad_(False)
         self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
         with torch.no_grad():
@@ -227,6 +229,7 @@ class Engine:
         for name, t in named_tensors.items():
             self._check_update(name, t)
         check_weights(named_tensors, "update_weights")
+        self._digests.update(tensor_digests(named_tensors))
         for name, t in named_tensors.items():
             if name in self._fp4_weights:
                 module, key = self._fp4_weights[name]
@@ -247,6 +250,11 @@ class Engine:
             raise ValueError(f"update_weights: {name!r} is a {type(t).__name__}, not a tensor")
         if tuple(t.shape) != shape:
             raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+
+    @property
+    def model_id(self) -> str:
+        """Fingerprint of the master weights the engine was built or last updated from (records carry it)."""
+        return weights_fingerprint(self._digests)
 
     def weight_checksums(self) -> dict[str, str]:
         """{name: sha256 of the FP4 bytes the engine computes with} for every FP4 weight."""
