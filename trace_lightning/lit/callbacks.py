@@ -7,7 +7,13 @@ from typing import Any
 import lightning as L
 from torch import Tensor
 
-from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
+from trace_lightning.guidance import (
+    ModelIdentity,
+    RecordExchange,
+    collate_records,
+    layer_bytes_per_token,
+    select_layers,
+)
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.timing import device_time
 from trace_lightning.rl import mismatch_metrics
@@ -70,7 +76,9 @@ class CacheExchange(L.Callback):
         self.exchange.reset_metrics()
         if batch.records:
             ticket = self.exchange.send(batch.records)
-            received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt)
+            model = ModelIdentity.of(module.policy.config, module.named_weights_for_sync())
+            received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt,
+                                             model=model)
             batch.record = collate_records(received, pad_to=width)
             for key, value in self.exchange.metrics().items():
                 module.log(key, value, batch_size=batch.tokens.shape[0])

@@ -21,7 +21,7 @@ from torch import Tensor
 from trace_lightning.envs import Problem
 from trace_lightning.guidance import FakeQuantHook, GuidedHook, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
-from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig
+from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
 from trace_lightning.lit.timing import device_time, peak_memory_gib
 from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
@@ -30,7 +30,6 @@ from trace_lightning.quant import parse_format
 from trace_lightning.rl import (
     ADVANTAGES,
     CORRECTIONS,
-    POLICY_LOSSES,
     CorrectionConfig,
     PolicyLossConfig,
     policy_loss,
@@ -125,9 +124,7 @@ class PolicyModule(L.LightningModule):
         self.method: MethodSpec = get_method(self.trace.method)
         self.fmt = parse_format(self.trace.fmt)
         self.correction = self.rl.correction or self.method.correction
-        for name, registry in (("advantage", ADVANTAGES), ("loss", POLICY_LOSSES)):
-            if getattr(self.rl, name) not in registry:
-                raise ValueError(f"unknown rl.{name} {getattr(self.rl, name)!r}; expected one of {sorted(registry)}")
+        check_run_args(self.rl, self.rollout_cfg, lr=lr, warmup_lr=warmup_lr, warmup_steps=warmup_steps)
         if self.correction not in CORRECTIONS:
             raise ValueError(f"unknown rl.correction {self.correction!r}; expected one of {sorted(CORRECTIONS)}")
         self.loss_config = PolicyLossConfig(

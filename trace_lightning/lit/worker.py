@@ -167,7 +167,7 @@ class RolloutWorker(L.LightningModule):
     def _attach_records(self, batch: TrainBatch, out: RolloutBatch, capture: CaptureSpec) -> None:
         """Build each sequence's full record once; the guidance record is its compaction (mode, layers)."""
         start = time.perf_counter()
-        full = [QuantRecord.from_captures(c, r, out.policy_version, mode="full")
+        full = [QuantRecord.from_captures(c, r, out.policy_version, mode="full", model_id=self.engine.model_id)
                 for c, r in zip(out.captures, out.routes, strict=True)]
         if self.method.records:
             mode = self.method.guidance_mode or "full"
