@@ -263,3 +263,14 @@ def test_init_is_deterministic_from_torch_rng() -> None:
 def test_tied_embeddings_share_one_matrix() -> None:
     model = make_model(tie_embeddings=True)
     assert model.output.weight is model.tok_embeddings.weight
+
+
+def test_logits_at_gives_each_rows_logits_at_one_position() -> None:
+    """What a prefill asks for: the logits of each row's last prompt token, without the (B, T, V) tensor."""
+    model, x = make_model(), tokens()
+    full = model(x, return_routes=True)
+    at = torch.tensor([T - 1, 3])
+    picked = model(x, logits_at=at, return_routes=True)
+    assert picked.logits.shape == (B, 1, model.config.vocab_size)
+    torch.testing.assert_close(picked.logits[:, 0], full.logits[torch.arange(B), at], rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(picked.routes, full.routes, strict=True))  # every position routed

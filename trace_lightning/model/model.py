@@ -364,10 +364,13 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache: KVCacheProtocol | None = None, hook: QuantHook | None = None,
-                routed: list[Tensor] | None = None, return_routes: bool = False) -> Tensor | ModelOutput:
+                routed: list[Tensor] | None = None, return_routes: bool = False,
+                logits_at: Tensor | None = None) -> Tensor | ModelOutput:
         """input_ids (B, T). positions (B, T) default 0..T-1 (pass them with a cache). attention_mask (B, T) bool
         marks real tokens of right-padded rows (without a cache; with one, the cache's mask rules). routed: per
-        layer (B, T, K) expert ids to replay. Boundary layers of the config run without the hook."""
+        layer (B, T, K) expert ids to replay. Boundary layers of the config run without the hook. logits_at (B,)
+        index of the one position per row whose logits are wanted: logits (B, 1, V) instead of (B, T, V) (a
+        prefill needs each prompt's last; the full (B, T, V) tensor would dwarf the KV cache at a large vocab)."""
         c, (B, T) = self.config, input_ids.shape
         if routed is not None and len(routed) != c.n_layers:
             raise ValueError(f"routed has {len(routed)} layers, the model has {c.n_layers}")
@@ -383,5 +386,7 @@ class Transformer(nn.Module):
             layer_hook = hook if c.is_quantized_layer(i) else None
             x, ids = layer(x, rope, positions, mask, cache, layer_hook, None if routed is None else routed[i])
             routes.append(ids)
-        logits = self.output(self.norm(x))  # (B, T, V)
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at][:, None]  # (B, 1, D)
+        logits = self.output(self.norm(x))  # (B, T, V) or (B, 1, V)
         return ModelOutput(logits, routes) if return_routes else logits

@@ -132,9 +132,8 @@ class Engine:
         ids = ids.to(self.device)
         positions = torch.arange(P, device=self.device).expand(B, P)
         cache.visible = P
-        logits = self._forward(ids, positions, cache, hook, recorder)  # (B, P, V)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        return logits[torch.arange(B, device=self.device), last]
+        return self._forward(ids, positions, cache, hook, recorder, logits_at=last)[:, 0]  # (B, V)
 
     def decode_one_token(self, tokens: Tensor, positions: Tensor, cache: KVCache, hook: FP4ActivationHook | None,
                          recorder: Recorder) -> Tensor:
@@ -142,11 +141,12 @@ class Engine:
         return self._forward(tokens, positions, cache, hook, recorder)[:, -1]
 
     def _forward(self, ids: Tensor, positions: Tensor, cache: KVCache, hook: FP4ActivationHook | None,
-                 recorder: Recorder) -> Tensor:
+                 recorder: Recorder, logits_at: Tensor | None = None) -> Tensor:
         recorder.positions = positions
         options = self.kernel_options
         with self.ops.kernel_options(options) if options is not None else contextlib.nullcontext():
-            out: ModelOutput = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True)
+            out: ModelOutput = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True,
+                                          logits_at=logits_at)
         recorder.observe_routes(out.routes)
         return out.logits
 
