@@ -136,12 +136,17 @@ def _site_rows(config: MoEConfig) -> dict[str, tuple[int, int]]:
     return rows
 
 
-def layer_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str) -> dict[int, float]:
-    """Record payload bytes per token of each quantized layer, from the shapes alone (no record needed)."""
+def site_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str) -> dict[str, float]:
+    """Record payload bytes per token of each activation site of one quantized layer, from the shapes alone."""
     fmt, mode = parse_format(fmt), check_guidance_mode(mode)
     global_bytes = _GLOBAL_SCALE_BYTES if fmt.kind == "nvfp4" and fmt.global_scale != "none" else 0
-    per_layer = sum(rows * (k / _ELEMS_PER_BYTE[mode] + k / fmt.block_size + global_bytes)
-                    for rows, k in _site_rows(config).values())
+    return {site: float(rows * (k / _ELEMS_PER_BYTE[mode] + k / fmt.block_size + global_bytes))
+            for site, (rows, k) in _site_rows(config).items()}
+
+
+def layer_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str) -> dict[int, float]:
+    """Record payload bytes per token of each quantized layer, from the shapes alone (no record needed)."""
+    per_layer = sum(site_bytes_per_token(config, fmt, mode).values())
     return {layer: float(per_layer) for layer in range(config.n_layers) if config.is_quantized_layer(layer)}
 
 

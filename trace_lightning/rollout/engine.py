@@ -14,6 +14,7 @@ The engine owns the model it is given: it converts it in place (FP4 modules, com
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import operator
 import time
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from trace_lightning.guidance.record import tensor_digests, weights_fingerprint
 from trace_lightning.model.model import Attention, ModelOutput, RMSNorm, Router
 from trace_lightning.ops import backend_for, is_triton
+from trace_lightning.rollout import memory
 from trace_lightning.rollout.batch import CaptureSpec, FinishReason, RolloutBatch, SamplingParams
 from trace_lightning.rollout.cache import FP4KVCache, KVCache
 from trace_lightning.rollout.capture import FP4ActivationHook, Recorder, RowFakeQuantizer, fake_quantizer
@@ -226,6 +228,31 @@ class Engine:
             policy_version=self.policy_version, routes=recorder.sequence_routes(lengths),
             captures=recorder.sequence_captures(lengths) if capture is not None else None, capture=capture,
         )
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes of everything the engine computes with: dense parameters and the FP4 weights (codes, scales)."""
+        held: list[Tensor] = []
+        for module, _ in self._fp4_weights.values():
+            quantized = module.q.values() if isinstance(module.q, dict) else [module.q]
+            dense = module.dense.values() if isinstance(module.dense, dict) else [module.dense]
+            held += [v for q in quantized for f in dataclasses.fields(q) if isinstance(v := getattr(q, f.name), Tensor)]
+            held += [d for d in dense if d is not None]
+        return memory.tensor_bytes(self.model, held)
+
+    def memory_plan(self, batch: int, max_len: int, capture: CaptureSpec | None = None) -> memory.MemoryPlan:
+        """What a generate call of `batch` sequences of up to `max_len` positions (prompt + new tokens) holds on
+        the device besides transient activations: weights, KV cache, full record buffers, routes."""
+        fp4 = self.fp4
+        fmt = fp4.activation_format if fp4 is not None else None
+        return memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, fmt,
+                           fp4 is not None and fp4.activations, fp4 is not None and fp4.kv, capture)
+
+    def max_batch(self, max_len: int, budget_bytes: int, *, capture: CaptureSpec | None = None,
+                  reserve_bytes: int = 0) -> int:
+        """The largest batch whose memory_plan fits in budget_bytes with reserve_bytes left for activations."""
+        one = self.memory_plan(1, max_len, capture)
+        return memory.largest_batch(one.total - one.weights, one.weights, budget_bytes, reserve_bytes)
 
     # ---- weight sync ---------------------------------------------------------------------------------
     @torch.no_grad()

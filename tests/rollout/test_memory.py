@@ -1,0 +1,50 @@
+"""The engine's memory plan equals what a generate call really allocates, and max_batch is the largest that fits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trace_lightning.model import Transformer
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision
+from trace_lightning.rollout.capture import Recorder
+
+from .conftest import PROMPTS
+
+
+def _allocated(engine: Engine, capture: CaptureSpec | None, batch: int, max_len: int) -> tuple[int, int, int]:
+    """(KV cache, record buffer, route) bytes after a real prefill of `batch` prompts into `max_len` slots."""
+    c = engine.config
+    recorder = Recorder(capture, engine._capture_layers(capture), batch, max_len, c.n_layers, c.top_k, engine.device)
+    cache = engine._cache(batch, max_len, recorder if capture else None)
+    with torch.inference_mode():
+        engine.prefill(PROMPTS[:batch], cache, engine._hook(recorder if capture else None), recorder)
+    records = sum(t.nbytes for buf in recorder.buffers.values() for t in buf.buffers.values())
+    return cache.nbytes(), records, recorder.routes.nbytes
+
+
+@pytest.mark.parametrize("precision", ["bf16", FP4Precision(), FP4Precision(kv=False), FP4Precision(fmt="mxfp4")],
+                         ids=["bf16", "fp4", "fp4-dense-kv", "mxfp4"])
+def test_memory_plan_is_what_generate_allocates(model: Transformer, precision: object) -> None:
+    engine = Engine(copy.deepcopy(model), precision, backend="sim", cuda_graph=False)
+    fp4 = precision != "bf16"
+    capture = CaptureSpec(layers="all") if fp4 else None
+    batch, max_len = len(PROMPTS), 24
+    plan = engine.memory_plan(batch, max_len, capture)
+    kv, records, routes = _allocated(engine, capture, batch, max_len)
+    assert (plan.kv_cache, plan.records, plan.routes) == (kv, records, routes)
+    dense = sum(p.nbytes for p in engine.model.parameters())
+    assert plan.weights >= dense and (plan.weights > dense) == fp4  # FP4 modules hold codes beside the parameters
+
+
+def test_max_batch_is_the_largest_plan_within_the_budget(model: Transformer) -> None:
+    engine = Engine(copy.deepcopy(model), FP4Precision(), backend="sim", cuda_graph=False)
+    capture, budget, reserve = CaptureSpec(layers="all"), 50 * 2**20, 4 * 2**20
+    n = engine.max_batch(512, budget, capture=capture, reserve_bytes=reserve)
+    assert n > 0
+    assert engine.memory_plan(n, 512, capture).total + reserve <= budget
+    assert engine.memory_plan(n + 1, 512, capture).total + reserve > budget
+    assert engine.max_batch(512, budget) > n  # without records more fits
+    assert engine.max_batch(512, engine.weight_bytes()) == 0
