@@ -134,3 +134,47 @@ def test_trace_rl_fit_killed_by_sigterm_exits_143_with_a_resumable_checkpoint(tm
     state = torch.load(interrupted, weights_only=False)
     assert state["global_step"] >= 1 and "policy_version" in state
     assert not list(last.parent.glob(".*.tmp"))
+
+
+WRITER = """
+import sys, torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from trace_lightning.lit.signals import AtomicCheckpointIO
+io = AtomicCheckpointIO() if sys.argv[2] == "atomic" else TorchCheckpointIO()
+state = {"weights": torch.randn(1_000_000)}
+for n in range(100_000):
+    state["step"] = n
+    io.save_checkpoint(state, sys.argv[1])
+    print(n, flush=True)
+"""
+
+
+def kill_writes(target: Path, writer: str, kills: int) -> int:
+    """SIGKILL a process rewriting `target` in a loop `kills` times; returns how often `target` was left torn."""
+    shm = Path("/dev/shm")
+    other_fs = shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != target.parent.stat().st_dev
+    env = {**os.environ, "TMPDIR": str(shm if other_fs else target.parent.parent)}
+    torn = 0
+    for kill in range(kills):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(target), writer], stdout=subprocess.PIPE,
+                                text=True, env=env)
+        assert proc.stdout is not None
+        for _ in range(2 + kill % 3):  # let it finish a few writes, then kill it during another
+            proc.stdout.readline()
+        time.sleep(0.002 * kill)
+        proc.kill()
+        proc.wait(timeout=60)
+        try:
+            torch.load(target, weights_only=True)
+        except Exception:  # noqa: BLE001 (any failure to load is a torn file)
+            torn += 1
+    return torn
+
+
+def test_sigkill_during_checkpoint_writes_never_leaves_a_torn_file(tmp_path: Path) -> None:
+    """4 MB checkpoints rewritten in a loop with TMPDIR on another filesystem (/dev/shm when it is one), SIGKILL
+    at varying moments: the file under the final name always loads (the previous or the next checkpoint)."""
+    target = tmp_path / "ckpts" / "last.ckpt"
+    target.parent.mkdir()
+    assert kill_writes(target, "atomic", kills=4) == 0
+    assert sorted(p.name for p in target.parent.iterdir() if not p.name.startswith(".")) == ["last.ckpt"]
