@@ -78,6 +78,35 @@ def test_signal_saves_a_checkpoint_exits_non_zero_and_resume_is_exact(tmp_path: 
         torch.testing.assert_close(resumed.policy.state_dict()[key], value, rtol=0, atol=0)
 
 
+class SignalDuringValidation(L.Callback):
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _validating_fit(root: Path, extra: list[L.Callback], ckpt: str | None = None) -> tuple[PolicyModule, StepLosses]:
+    """4 steps (1 warm-up) with a validation pass after steps 2 and 4."""
+    module = PolicyModule(rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=2),
+                          warmup_steps=1, cpu_threads=1)
+    losses = StepLosses()
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, default_root_dir=root, logger=False,
+                        callbacks=[*default_callbacks(), losses, *extra, StopOnSignal()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=1,
+                        num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=RLDataModule(env="arithmetic", demo_batch_size=4, eval_size=4), ckpt_path=ckpt)
+    return module, losses
+
+
+def test_sigterm_during_validation_saves_after_it_and_resumes(tmp_path: Path) -> None:
+    with pytest.raises(FitInterrupted) as stopped:
+        _validating_fit(tmp_path / "killed", [SignalDuringValidation()])
+    assert stopped.value.code == 143
+    state = torch.load(stopped.value.checkpoint, weights_only=False)
+    assert state["global_step"] == 2 and state["policy_version"] == 2
+    resumed, losses = _validating_fit(tmp_path / "resumed", [], ckpt=stopped.value.checkpoint)
+    assert resumed.policy_version == 4 and sorted(losses.steps) == [2, 3]
+
+
 def test_fit_without_a_signal_runs_to_the_end(tmp_path: Path) -> None:
     module, losses = _fit(tmp_path, 3, [StopOnSignal()])
     assert sorted(losses.steps) == [2] and module.policy_version == 3
