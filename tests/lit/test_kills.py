@@ -78,6 +78,35 @@ def test_signal_saves_a_checkpoint_exits_non_zero_and_resume_is_exact(tmp_path: 
         torch.testing.assert_close(resumed.policy.state_dict()[key], value, rtol=0, atol=0)
 
 
+class SignalDuringValidation(L.Callback):
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _validating_fit(root: Path, extra: list[L.Callback], ckpt: str | None = None) -> tuple[PolicyModule, StepLosses]:
+    """4 steps (1 warm-up) with a validation pass after steps 2 and 4."""
+    module = PolicyModule(rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=2),
+                          warmup_steps=1, cpu_threads=1)
+    losses = StepLosses()
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, default_root_dir=root, logger=False,
+                        callbacks=[*default_callbacks(), losses, *extra, StopOnSignal()],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        val_check_interval=2, check_val_every_n_epoch=None, limit_val_batches=1,
+                        num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=RLDataModule(env="arithmetic", demo_batch_size=4, eval_size=4), ckpt_path=ckpt)
+    return module, losses
+
+
+def test_sigterm_during_validation_saves_after_it_and_resumes(tmp_path: Path) -> None:
+    with pytest.raises(FitInterrupted) as stopped:
+        _validating_fit(tmp_path / "killed", [SignalDuringValidation()])
+    assert stopped.value.code == 143
+    state = torch.load(stopped.value.checkpoint, weights_only=False)
+    assert state["global_step"] == 2 and state["policy_version"] == 2
+    resumed, losses = _validating_fit(tmp_path / "resumed", [], ckpt=stopped.value.checkpoint)
+    assert resumed.policy_version == 4 and sorted(losses.steps) == [2, 3]
+
+
 def test_fit_without_a_signal_runs_to_the_end(tmp_path: Path) -> None:
     module, losses = _fit(tmp_path, 3, [StopOnSignal()])
     assert sorted(losses.steps) == [2] and module.policy_version == 3
@@ -134,3 +163,47 @@ def test_trace_rl_fit_killed_by_sigterm_exits_143_with_a_resumable_checkpoint(tm
     state = torch.load(interrupted, weights_only=False)
     assert state["global_step"] >= 1 and "policy_version" in state
     assert not list(last.parent.glob(".*.tmp"))
+
+
+WRITER = """
+import sys, torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from trace_lightning.lit.signals import AtomicCheckpointIO
+io = AtomicCheckpointIO() if sys.argv[2] == "atomic" else TorchCheckpointIO()
+state = {"weights": torch.randn(1_000_000)}
+for n in range(100_000):
+    state["step"] = n
+    io.save_checkpoint(state, sys.argv[1])
+    print(n, flush=True)
+"""
+
+
+def kill_writes(target: Path, writer: str, kills: int) -> int:
+    """SIGKILL a process rewriting `target` in a loop `kills` times; returns how often `target` was left torn."""
+    shm = Path("/dev/shm")
+    other_fs = shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != target.parent.stat().st_dev
+    env = {**os.environ, "TMPDIR": str(shm if other_fs else target.parent.parent)}
+    torn = 0
+    for kill in range(kills):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(target), writer], stdout=subprocess.PIPE,
+                                text=True, env=env)
+        assert proc.stdout is not None
+        for _ in range(2 + kill % 3):  # let it finish a few writes, then kill it during another
+            proc.stdout.readline()
+        time.sleep(0.002 * kill)
+        proc.kill()
+        proc.wait(timeout=60)
+        try:
+            torch.load(target, weights_only=True)
+        except Exception:  # noqa: BLE001 (any failure to load is a torn file)
+            torn += 1
+    return torn
+
+
+def test_sigkill_during_checkpoint_writes_never_leaves_a_torn_file(tmp_path: Path) -> None:
+    """4 MB checkpoints rewritten in a loop with TMPDIR on another filesystem (/dev/shm when it is one), SIGKILL
+    at varying moments: the file under the final name always loads (the previous or the next checkpoint)."""
+    target = tmp_path / "ckpts" / "last.ckpt"
+    target.parent.mkdir()
+    assert kill_writes(target, "atomic", kills=4) == 0
+    assert sorted(p.name for p in target.parent.iterdir() if not p.name.startswith(".")) == ["last.ckpt"]

@@ -7,13 +7,8 @@ from typing import Any
 import lightning as L
 from torch import Tensor
 
-from trace_lightning.guidance import (
-    ModelIdentity,
-    RecordExchange,
-    collate_records,
-    layer_bytes_per_token,
-    select_layers,
-)
+from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
+from trace_lightning.guidance.record import ModelIdentity
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.timing import device_time
 from trace_lightning.rl import mismatch_metrics

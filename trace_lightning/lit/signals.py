@@ -74,7 +74,11 @@ class FitInterrupted(SystemExit):
 
 
 class StopOnSignal(L.Callback):
-    """On SIGTERM or SIGINT: finish the current step, save a resumable checkpoint, exit with 128 + signal."""
+    """On SIGTERM or SIGINT: finish the current step, save a resumable checkpoint, exit with 128 + signal.
+
+    List it after the RL callbacks (conf/sim.yaml does): its step-end hook must run after WeightSync's, so
+    the checkpoint holds the policy version that matches the weights.
+    """
 
     def __init__(self, dirpath: str | None = None, filename: str = "interrupted") -> None:
         """
