@@ -53,3 +53,13 @@ def test_model_presets_parse(preset: Path) -> None:
     cli = _parse(CONF / "sim.yaml")
     namespace = cli.parser.parse_args(["--config", str(CONF / "sim.yaml"), "--config", str(preset)])
     assert namespace.model.cpu_threads == 0
+
+
+@pytest.mark.parametrize(("task", "env"), [("coding", "coding"), ("multiturn", "guess_number")])
+def test_task_configs_stack_on_sim_and_build_their_env(task: str, env: str) -> None:
+    from trace_lightning.envs import ENVS
+
+    cli = _parse(CONF / "sim.yaml", CONF / "task" / f"{task}.yaml")
+    assert isinstance(cli.datamodule.env, ENVS[env])
+    problem = cli.datamodule.env.sample(1, seed=0)[0]
+    assert cli.datamodule.env.score(problem, cli.datamodule.env.demonstration(problem)) == 1.0

@@ -30,4 +30,4 @@ def test_heatmap_puts_layers_on_rows_and_sites_in_layer_order() -> None:
     left = fig.axes[0]
     assert [t.get_text() for t in left.get_xticklabels()] == ["attn_in", "moe_in"]
     assert [t.get_text() for t in left.get_yticklabels()] == ["layer 0", "layer 1"]
-    assert sorted(t.get_text() for t in left.texts) == ["96.0", "97.0", "98.0", "99.0"]
+    assert sorted(t.get_text() for t in left.texts) == ["96.00", "97.00", "98.00", "99.00"]

@@ -138,19 +138,20 @@ def agreement_heatmap(own_codes: Mapping[tuple[int, str], float], used_values: M
 
     layers = sorted({layer for layer, _ in own_codes})
     sites = [s for s in SITE_ORDER if any(site == s for _, site in own_codes)]
-    fig, axes = plt.subplots(1, 2, figsize=(1.2 * len(sites) * 2 + 2, 0.5 * len(layers) + 1.8), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(2.4 * len(sites) + 2, 0.6 * len(layers) + 2), squeeze=False,
+                             layout="constrained")
     panels = (("training's own RNE codes = rollout's", own_codes), ("values training used = rollout's", used_values))
     for ax, (title, values) in zip(axes[0], panels, strict=True):
-        grid = [[values.get((layer, site), math.nan) for site in sites] for layer in layers]
-        image = ax.imshow(grid, vmin=0.9, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        grid = [[100 * values.get((layer, site), math.nan) for site in sites] for layer in layers]
+        image = ax.imshow(grid, vmin=90, vmax=100, cmap="RdYlGn", aspect="auto")
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if not math.isnan(v):
-                    ax.text(j, i, f"{100 * v:.1f}", ha="center", va="center", fontsize=8)
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
         ax.set_xticks(range(len(sites)), sites, rotation=30)
         ax.set_yticks(range(len(layers)), [f"layer {layer}" for layer in layers])
         ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=axes[0].tolist(), label="% of elements equal (colour clipped at 90%)", shrink=0.9)
+    fig.colorbar(image, ax=axes[0].tolist(), label="% of elements equal (colour from 90)", shrink=0.9)
     fig.suptitle(f"audit at step {step}", fontsize=9)
     plt.close(fig)
     return fig
