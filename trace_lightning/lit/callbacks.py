@@ -161,7 +161,8 @@ class MismatchMonitor(L.Callback):
         self._reference: dict[str, Tensor] = {}
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
-        write_layout(trainer, SITE_ORDER)
+        shared = module.policy.config.n_shared_experts > 0
+        write_layout(trainer, [site for site in SITE_ORDER if site != "shared_down" or shared])
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         # Before the optimizer step, so the reference scores the weights that sampled the batch.
@@ -198,12 +199,12 @@ class MismatchMonitor(L.Callback):
 
 
 def agreement_metrics(audit: dict[tuple[int, str], Any]) -> dict[str, float]:
-    """`agreement/{own_codes,used_values}` overall and per `layer{l}/{site}` from a hook's audit counts."""
+    """`agreement/{own_codes,used_values}` overall and `agreement_per_layer/...` per layer and site."""
     out: dict[str, float] = {}
     elements = own = used = 0
     for (layer, site), s in sorted(audit.items()):
-        out[f"agreement/own_codes/layer{layer}/{site}"] = s.code_agreement
-        out[f"agreement/used_values/layer{layer}/{site}"] = s.value_agreement
+        out[f"agreement_per_layer/own_codes/layer{layer}/{site}"] = s.code_agreement
+        out[f"agreement_per_layer/used_values/layer{layer}/{site}"] = s.value_agreement
         elements, own, used = elements + s.elements, own + s.code_equal, used + s.value_equal
     if elements:
         out["agreement/own_codes"], out["agreement/used_values"] = own / elements, used / elements

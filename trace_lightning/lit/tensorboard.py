@@ -34,11 +34,17 @@ NEAR_ONE = {
 """Ratios near 1 -> (TensorBoard tag, sign): the tag holds sign * (value - 1)."""
 
 
+REFERENCE_PREFIX = "mismatch_bf16/"
+"""Metrics of the BF16 reference; RunLogger writes them as `mismatch/*` of a sub-run `bf16_reference`."""
+
+
 class RunLogger(TensorBoardLogger):
     """TensorBoard under save_dir/<name>/version_N without Lightning's `epoch` and `hp_metric` tags.
 
     `trace-rl` names the run after its method (runs/trace_compact/version_0, runs/fp4_qat/version_0), so one
-    `tensorboard --logdir runs` overlays the methods.
+    `tensorboard --logdir runs` overlays the methods. The BF16 reference (`mismatch_bf16/*`) goes to the sub-run
+    version_N/bf16_reference under the `mismatch/*` tags, so every dashboard draws it on the same chart as the
+    FP4 rollout's mismatch, in its own colour.
     """
 
     def __init__(self, save_dir: str = "runs", name: str | None = None, version: int | str | None = None,
@@ -50,9 +56,30 @@ class RunLogger(TensorBoardLogger):
             version: Sub-sub-folder; None: the next free version_N.
         """
         super().__init__(save_dir, name=name or "", version=version, default_hp_metric=False, **kwargs)
+        self._reference: Any = None
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        super().log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step)
+        reference = {"mismatch/" + k.removeprefix(REFERENCE_PREFIX): v for k, v in metrics.items()
+                     if k.startswith(REFERENCE_PREFIX)}
+        own = {k: v for k, v in metrics.items() if k != "epoch" and not k.startswith(REFERENCE_PREFIX)}
+        super().log_metrics(own, step)
+        if reference and self._writes():
+            for tag, value in reference.items():
+                self.reference_writer().add_scalar(tag, value, step)
+
+    def _writes(self) -> bool:
+        return self.experiment is not None and hasattr(self.experiment, "add_scalar")
+
+    def reference_writer(self) -> Any:
+        """The SummaryWriter of the bf16_reference sub-run, made on first use."""
+        if self._reference is None:
+            self._reference = type(self.experiment)(log_dir=f"{self.log_dir}/bf16_reference")
+        return self._reference
+
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        if self._reference is not None:
+            self._reference.close()
 
 
 def tensorboard_tags(metrics: Mapping[str, float | Tensor]) -> dict[str, float]:
@@ -92,18 +119,19 @@ def log_measured(module: L.LightningModule, metrics: Mapping[str, float | Tensor
 
 def discrepancy_layout(sites: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout (TensorBoard's CUSTOM SCALARS tab): one multi-line chart per question."""
+    # The BF16 reference is the run's bf16_reference sub-run under the same tags (RunLogger), so each chart
+    # draws the FP4 rollout's mismatch (every step) and the reference (audit steps) in two colours.
     mismatch = {
-        "k3_kl (FP4 rollout vs training; BF16 rollout as reference)": ["mismatch/k3_kl$", "mismatch_bf16/k3_kl$"],
-        "|logprob difference| per token": ["mismatch/logprob_abs_diff$", "mismatch_bf16/logprob_abs_diff$"],
-        "token_mult_prob_error - 1": ["mismatch/token_mult_prob_error_minus_one$",
-                                      "mismatch_bf16/token_mult_prob_error_minus_one$"],
-        "1 - ess (effective sample size lost)": ["mismatch/one_minus_ess$", "mismatch_bf16/one_minus_ess$"],
+        "k3_kl: FP4 rollout vs training (run) and BF16 rollout (run/bf16_reference)": ["mismatch/k3_kl$"],
+        "|logprob difference| per token": ["mismatch/logprob_abs_diff$"],
+        "token_mult_prob_error - 1": ["mismatch/token_mult_prob_error_minus_one$"],
+        "1 - ess (effective sample size lost)": ["mismatch/one_minus_ess$"],
         "importance ratio extremes (max - 1, 1 - min)": ["mismatch/is_ratio_max_minus_one$",
                                                           "mismatch/one_minus_is_ratio_min$"],
     }
     agreement = {
         f"{site}: per layer, own codes and used values = rollout's": [
-            rf"agreement/own_codes/layer\d+/{site}$", rf"agreement/used_values/layer\d+/{site}$"]
+            rf"agreement_per_layer/own_codes/layer\d+/{site}$", rf"agreement_per_layer/used_values/layer\d+/{site}$"]
         for site in sites
     }
     agreement["all sites: own codes, used values, routes"] = [
