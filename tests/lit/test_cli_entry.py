@@ -35,6 +35,7 @@ def test_fit_then_predict_from_its_checkpoint(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in pred.stdout.splitlines()]  # every stdout line is JSON
     assert len(rows) == 3 and set(rows[0]) == {"prompt", "response", "answer"}
     assert list((tmp_path / "runs").rglob("version_*")) == [run]  # predicting adds no run folder
+    assert not (tmp_path / "config.yaml").exists()
 
 
 def _misuse(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> str:

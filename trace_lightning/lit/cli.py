@@ -71,8 +71,8 @@ class TraceCLI(LightningCLI):
         self.trainer_defaults["callbacks"] = [*bar, RunSummary()]
         if self.subcommand == "predict":
             check_predict_weights(config)
-            config.trainer.logger = False  # sampling is not a run: no runs/ folder per call
-            config.trainer.enable_checkpointing = False
+            config.trainer.logger = False  # sampling is not a run: no runs/ folder, no config.yaml per call
+            self.save_config_callback = None
         else:
             name_run_after_method(config)
 
