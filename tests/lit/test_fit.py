@@ -143,10 +143,10 @@ def test_fit_logs_each_metric_only_at_the_steps_it_was_measured(tmp_path: Path) 
     assert logged["train/sft_loss"] == [0, 1]  # not re-logged during RL
     assert logged["reward/mean"] == logged["mismatch/k3_kl"] == [2, 3, 4, 5]
     assert logged["agreement/own_codes"] == logged["agreement/used_values"] == [2, 4]
-    assert logged["agreement_per_layer/own_codes/layer3/moe_down"] == [2, 4]
+    assert logged["agreement_per_layer/own_codes/layer3/moe_down"] == [2, 4]  # audit steps only
     assert "mismatch_bf16/k3_kl" not in logged
     reference = _scalars(tmp_path / "fit" / "version_0" / "bf16_reference")  # the same tags in a sub-run
-    assert reference["mismatch/k3_kl"] == reference["mismatch/one_minus_ess"] == [2, 4]
+    assert reference["mismatch/k3_kl"] == reference["mismatch/one_minus_ess"] == [2, 3, 4, 5]
     assert "epoch" not in logged and "hp_metric" not in logged
     assert "policy/clip_frac" not in logged  # 0 by construction with one update per batch
     assert logged["__images__"] == ["agreement/layer_x_site"]

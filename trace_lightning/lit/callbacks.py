@@ -146,18 +146,19 @@ class MismatchMonitor(L.Callback):
     steps (full records of every layer): how often training's own round-to-nearest codes equal the rollout's
     (`agreement/own_codes`, what an unguided forward would get), how often the values the training forward
     used equal the rollout's (`agreement/used_values`, what guidance achieves), per layer and site and as a
-    layer x site heatmap, and the BF16 reference (`mismatch_bf16/*`): the mismatch a BF16 rollout of the same
-    policy shows on the same tokens.
+    layer x site heatmap. Every `bf16_reference_every` steps, the BF16 reference (`mismatch_bf16/*`): the
+    mismatch a BF16 rollout of the same policy shows on the same tokens.
     """
 
-    def __init__(self, heatmap: bool = True, bf16_reference: bool = True, text_every: int = 25) -> None:
+    def __init__(self, heatmap: bool = True, bf16_reference_every: int = 1, text_every: int = 25) -> None:
         """
         Args:
             heatmap: Draw the layer x site agreement heatmap at each audit step (TensorBoard IMAGES tab).
-            bf16_reference: At audit steps, also measure the mismatch of a BF16 rollout on the same tokens.
+            bf16_reference_every: Steps between measurements of the BF16 reference (0: never); each costs two
+                forward passes of the batch without gradient.
             text_every: Steps between decoded sample texts in TensorBoard (0: never).
         """
-        self.heatmap, self.bf16_reference, self.text_every = heatmap, bf16_reference, text_every
+        self.heatmap, self.bf16_reference_every, self.text_every = heatmap, bf16_reference_every, text_every
         self._reference: dict[str, Tensor] = {}
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
@@ -166,8 +167,9 @@ class MismatchMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         # Before the optimizer step, so the reference scores the weights that sampled the batch.
-        audit_step = isinstance(batch, TrainBatch) and bool(batch.audit_records)
-        self._reference = bf16_reference(module, batch) if audit_step and self.bf16_reference else {}
+        every = self.bf16_reference_every
+        due = isinstance(batch, TrainBatch) and bool(every) and trainer.global_step % every == 0
+        self._reference = bf16_reference(module, batch) if due else {}
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not isinstance(batch, TrainBatch) or not isinstance(outputs, dict):

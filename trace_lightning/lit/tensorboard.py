@@ -120,7 +120,7 @@ def log_measured(module: L.LightningModule, metrics: Mapping[str, float | Tensor
 def discrepancy_layout(sites: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout (TensorBoard's CUSTOM SCALARS tab): one multi-line chart per question."""
     # The BF16 reference is the run's bf16_reference sub-run under the same tags (RunLogger), so each chart
-    # draws the FP4 rollout's mismatch (every step) and the reference (audit steps) in two colours.
+    # draws the FP4 rollout's mismatch and the reference in two colours.
     mismatch = {
         "k3_kl: FP4 rollout vs training (run) and BF16 rollout (run/bf16_reference)": ["mismatch/k3_kl$"],
         "|logprob difference| per token": ["mismatch/logprob_abs_diff$"],
