@@ -126,6 +126,7 @@ def main() -> None:
         if not glob.glob(str(warm / "sim" / "version_*" / "checkpoints" / "*.ckpt")):
             fit(["--model.seed", str(seed), "--model.warmup_steps", str(args.warmup_steps),
                 "--trainer.max_steps", str(args.warmup_steps), "--trainer.logger.init_args.save_dir", str(warm),
+                "--trainer.logger.init_args.name", "sim",
                 "--trainer.val_check_interval", str(args.warmup_steps)])
         ckpt = Path(max(glob.glob(str(warm / "sim" / "version_*" / "checkpoints" / "*.ckpt")), key=os.path.getmtime))
         for method in args.methods:

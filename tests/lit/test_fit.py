@@ -7,12 +7,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.callbacks import default_callbacks
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import NonFiniteError, PolicyModule
+from trace_lightning.lit.tensorboard import RunLogger
 from trace_lightning.rl import MISMATCH_KEYS, mismatch_metrics
 
 
@@ -48,7 +50,7 @@ def _fit(tmp_path: Path, max_steps: int, method: str = "trace_compact", ckpt: st
         accelerator="cpu",
         max_steps=max_steps,
         callbacks=[*default_callbacks(), recorder],
-        logger=L.pytorch.loggers.TensorBoardLogger(tmp_path, name="fit"),
+        logger=RunLogger(str(tmp_path), name="fit"),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -65,7 +67,7 @@ def test_short_fit_logs_finite_mismatch_and_agreement_metrics(tmp_path: Path) ->
     module, recorder, _ = _fit(tmp_path, max_steps=5)
     assert sorted(recorder.steps) == [2, 3, 4]
     for key in (*MISMATCH_KEYS, "reward/mean", "train/loss", "guidance/bytes_per_token", "moe/route_agreement",
-                "quant/code_agreement", "quant/value_agreement", "rollout/tokens_per_s", "train/sft_loss"):
+                "agreement/own_codes", "agreement/used_values", "rollout/tokens_per_s", "train/sft_loss"):
         assert key in recorder.names, key
     for step in recorder.steps.values():
         assert all(math.isfinite(v) for v in step.values())
@@ -126,3 +128,26 @@ def test_weight_sync_audit_fails_loudly_when_rollout_bytes_differ() -> None:
     module.worker.sync(stale, 1)
     with pytest.raises(WeightSyncError, match="attn.wo"):
         WeightSync.audit(module, named)
+
+
+def _scalars(run: Path) -> dict[str, list[int]]:
+    acc = EventAccumulator(str(next(run.glob("events.out.tfevents.*"))), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]} | {
+        "__images__": acc.Tags()["images"], "__tensors__": acc.Tags()["tensors"]}
+
+
+def test_fit_logs_each_metric_only_at_the_steps_it_was_measured(tmp_path: Path) -> None:
+    _fit(tmp_path, max_steps=6)  # steps 0-1 warm start, 2-5 RL, audits at steps 2 and 4 (audit_every=2)
+    logged = _scalars(tmp_path / "fit" / "version_0")
+    assert logged["train/sft_loss"] == [0, 1]  # not re-logged during RL
+    assert logged["reward/mean"] == logged["mismatch/k3_kl"] == [2, 3, 4, 5]
+    assert logged["agreement/own_codes"] == logged["agreement/used_values"] == [2, 4]
+    assert logged["agreement_per_layer/own_codes/layer3/moe_down"] == [2, 4]  # audit steps only
+    assert "mismatch_bf16/k3_kl" not in logged
+    reference = _scalars(tmp_path / "fit" / "version_0" / "bf16_reference")  # the same tags in a sub-run
+    assert reference["mismatch/k3_kl"] == reference["mismatch/one_minus_ess"] == [2, 3, 4, 5]
+    assert "epoch" not in logged and "hp_metric" not in logged
+    assert "policy/clip_frac" not in logged  # 0 by construction with one update per batch
+    assert logged["__images__"] == ["agreement/layer_x_site"]
+    assert "custom_scalars__config__" in logged["__tensors__"]

@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 from torch import Tensor
 
 from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
 from trace_lightning.guidance.record import ModelIdentity
 from trace_lightning.lit.batch import TrainBatch
+from trace_lightning.lit.tensorboard import SITE_ORDER, agreement_heatmap, log_measured, write_layout
 from trace_lightning.lit.timing import device_time
-from trace_lightning.rl import mismatch_metrics
+from trace_lightning.rl import mismatch_metrics, token_logprobs
 from trace_lightning.rollout import check_weight_checksums, fp4_weight_checksums
 
 
@@ -33,12 +35,10 @@ class WeightSync(L.Callback):
         named = module.named_weights_for_sync()
         start = device_time(module.device)
         module.worker.sync(named, module.policy_version)
-        if log:
-            module.log("time/sync_s", device_time(module.device) - start)
+        if log:  # after the optimizer step: global_step already counts the step this sync follows
+            log_measured(module, {"time/sync_s": device_time(module.device) - start}, module.global_step - 1)
         if self.audit_every and module.policy_version % self.audit_every == 0 and module.method.rollout_fp4:
-            audited = self.audit(module, named)
-            if log:
-                module.log("sync/audited_tensors", float(audited))
+            self.audit(module, named)
 
     @staticmethod
     def audit(module: Any, named: dict[str, Tensor]) -> int:
@@ -63,6 +63,7 @@ class CacheExchange(L.Callback):
 
     def __init__(self) -> None:
         self.exchange = RecordExchange()
+        self._bytes_per_token: float | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if not isinstance(batch, TrainBatch):
@@ -75,8 +76,12 @@ class CacheExchange(L.Callback):
             received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt,
                                              model=model)
             batch.record = collate_records(received, pad_to=width)
-            for key, value in self.exchange.metrics().items():
-                module.log(key, value, batch_size=batch.tokens.shape[0])
+            metrics = self.exchange.metrics()
+            per_token = metrics.pop("guidance/bytes_per_token")
+            log_measured(module, metrics, module.global_step, batch.tokens.shape[0])
+            if per_token != self._bytes_per_token:  # changes only with the layer policy: drawn when it does
+                self._bytes_per_token = per_token
+                log_measured(module, {"guidance/bytes_per_token": per_token}, module.global_step, every_step=True)
         if batch.audit_records:
             batch.audit_record = collate_records(batch.audit_records, pad_to=width)
 
@@ -137,69 +142,100 @@ def route_agreement(train_routes: list[Tensor], rollout_routes: list[Tensor], ma
 
 
 class MismatchMonitor(L.Callback):
-    """Logs the mismatch metrics of DESIGN.md section 7, per-layer agreements, a figure and decoded samples."""
+    """Logs the train-rollout discrepancy at the steps it is measured (docs/design.md, "Metrics").
 
-    def __init__(self, figure_every: int = 25, text_every: int = 25) -> None:
+    Every RL step: the mismatch metrics of training's logprobs against the rollout's (`mismatch/*`), rollout
+    speed, and route agreement when routes are not replayed (replayed routes agree by construction). At audit
+    steps (full records of every layer): how often training's own round-to-nearest codes equal the rollout's
+    (`agreement/own_codes`, what an unguided forward would get), how often the values the training forward
+    used equal the rollout's (`agreement/used_values`, what guidance achieves), per layer and site and as a
+    layer x site heatmap. Every `bf16_reference_every` steps, the BF16 reference (`mismatch_bf16/*`): the
+    mismatch a BF16 rollout of the same policy shows on the same tokens.
+    """
+
+    def __init__(self, heatmap: bool = True, bf16_reference_every: int = 1, text_every: int = 25) -> None:
         """
         Args:
-            figure_every: Steps between per-layer agreement figures in TensorBoard.
-            text_every: Steps between decoded sample texts in TensorBoard.
+            heatmap: Draw the layer x site agreement heatmap at each audit step (TensorBoard IMAGES tab).
+            bf16_reference_every: Steps between measurements of the BF16 reference (0: never); each costs two
+                forward passes of the batch without gradient.
+            text_every: Steps between decoded sample texts in TensorBoard (0: never).
         """
-        self.figure_every, self.text_every = figure_every, text_every
+        self.heatmap, self.bf16_reference_every, self.text_every = heatmap, bf16_reference_every, text_every
+        self._reference: dict[str, Tensor] = {}
+
+    def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
+        shared = module.policy.config.n_shared_experts > 0
+        write_layout(trainer, [site for site in SITE_ORDER if site != "shared_down" or shared])
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        # Before the optimizer step, so the reference scores the weights that sampled the batch.
+        every = self.bf16_reference_every
+        due = isinstance(batch, TrainBatch) and bool(every) and trainer.global_step % every == 0
+        self._reference = bf16_reference(module, batch) if due else {}
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not isinstance(batch, TrainBatch) or not isinstance(outputs, dict):
             return
-        n = batch.tokens.shape[0]
-        metrics = mismatch_metrics(outputs["logprobs"], batch.rollout_logprobs, batch.response_mask)
-        for key, value in batch.rollout_stats.items():
-            module.log(key, value, batch_size=n)
-        for key, value in metrics.items():
-            module.log(key, value, batch_size=n)
-        layer_stats: dict[str, list[float]] = {}
-        if batch.routes is not None:
+        n, step = batch.tokens.shape[0], trainer.global_step - 1  # global_step already counts this step
+        metrics = {**batch.rollout_stats, **mismatch_metrics(outputs["logprobs"], batch.rollout_logprobs,
+                                                             batch.response_mask)}
+        if batch.routes is not None and not module.trace.route_replay:
             agree = route_agreement(outputs["routes"], batch.routes, batch.response_mask)
-            module.log("moe/route_agreement", sum(agree) / len(agree), batch_size=n)
-            layer_stats["route"] = agree
+            metrics["moe/route_agreement"] = sum(agree) / len(agree)
+        log_measured(module, metrics, step, n)
         hook = outputs.get("hook")
-        if hook is not None and getattr(hook, "agreement", None):
-            for key, value in hook.metrics().items():
-                module.log(key, value, batch_size=n)
-            layer_stats["code"] = list(hook.layer_agreement().values())
-        self._tensorboard(trainer, module, batch, layer_stats)
+        audit = getattr(hook, "agreement", None) or {}
+        log_measured(module, {**agreement_metrics(audit), **self._reference}, step, n, every_step=True)
+        self._tensorboard(trainer, batch, audit, step)
 
-    def _tensorboard(
-        self, trainer: L.Trainer, module: Any, batch: TrainBatch, layer_stats: dict[str, list[float]]
-    ) -> None:
+    def _tensorboard(self, trainer: L.Trainer, batch: TrainBatch, audit: dict[tuple[int, str], Any],
+                     step: int) -> None:
         experiment = getattr(trainer.logger, "experiment", None)
         if experiment is None or not hasattr(experiment, "add_text"):
             return
-        step = trainer.global_step
         if self.text_every and step % self.text_every == 0 and batch.samples:
             lines = [f"`{s['prompt']}` -> `{s['response']}` (reward {s['reward']:.2f})" for s in batch.samples]
             experiment.add_text("samples", "  \n".join(lines), step)
-        if self.figure_every and step % self.figure_every == 0 and layer_stats:
-            experiment.add_figure("agreement_per_layer", agreement_figure(layer_stats), step)
+        if self.heatmap and audit:
+            own = {key: s.code_agreement for key, s in audit.items()}
+            used = {key: s.value_agreement for key, s in audit.items()}
+            experiment.add_figure("agreement/layer_x_site", agreement_heatmap(own, used, step), step)
 
 
-def agreement_figure(layer_stats: dict[str, list[float]]) -> Any:
-    """A bar chart of per-layer agreements (route, code) for TensorBoard."""
-    import matplotlib
+def agreement_metrics(audit: dict[tuple[int, str], Any]) -> dict[str, float]:
+    """`agreement/{own_codes,used_values}` overall and `agreement_per_layer/...` per layer and site."""
+    out: dict[str, float] = {}
+    elements = own = used = 0
+    for (layer, site), s in sorted(audit.items()):
+        out[f"agreement_per_layer/own_codes/layer{layer}/{site}"] = s.code_agreement
+        out[f"agreement_per_layer/used_values/layer{layer}/{site}"] = s.value_agreement
+        elements, own, used = elements + s.elements, own + s.code_equal, used + s.value_equal
+    if elements:
+        out["agreement/own_codes"], out["agreement/used_values"] = own / elements, used / elements
+    return out
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3))
-    width = 0.8 / max(len(layer_stats), 1)
-    for i, (name, values) in enumerate(layer_stats.items()):
-        ax.bar([j + i * width for j in range(len(values))], values, width=width, label=name)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("agreement")
-    ax.set_ylim(0, 1.05)
-    ax.legend()
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+@torch.no_grad()
+def bf16_reference(module: Any, batch: TrainBatch) -> dict[str, Tensor]:
+    """`mismatch_bf16/*`: the BF16 engine's weights against training's unquantized forward on the batch's tokens.
+
+    The mismatch a BF16 rollout of the same policy would show: the floor that FP4 rollouts are compared to.
+    Empty for methods that already roll out in BF16 (their `mismatch/*` is that floor).
+    """
+    if not module.method.rollout_fp4:
+        return {}
+    bf16_model = module._eval_worker("bf16").engine.model
+    routed = batch.routes if module.trace.route_replay else None
+    logprobs = []
+    for model in (module.policy, bf16_model):
+        device = next(model.parameters()).device
+        logits = model(batch.tokens[:, :-1].to(device), attention_mask=batch.attention_mask[:, :-1].to(device),
+                       routed=None if routed is None else [r.to(device) for r in routed])
+        logprobs.append(token_logprobs(logits.float(), batch.tokens[:, 1:].to(device),
+                                       module.rollout_cfg.temperature).to(batch.tokens.device))
+    metrics = mismatch_metrics(logprobs[0], logprobs[1], batch.response_mask)
+    return {key.replace("mismatch/", "mismatch_bf16/"): value for key, value in metrics.items()}
 
 
 def default_callbacks() -> list[L.Callback]:
@@ -212,6 +248,8 @@ __all__ = [
     "MismatchMonitor",
     "WeightSync",
     "WeightSyncError",
+    "agreement_metrics",
+    "bf16_reference",
     "default_callbacks",
     "route_agreement",
 ]

@@ -1,40 +1,141 @@
-"""`trace-rl`: the LightningCLI entry point (fit, validate, test, predict) with OmegaConf-style YAML."""
+"""`trace-rl`: the LightningCLI entry point (fit, validate, predict) with OmegaConf-style YAML.
+
+Runs land in runs/<method>/version_N so that `tensorboard --logdir runs` overlays methods; `predict` writes
+JSON lines to stdout and no run folder; a bad value or option ends in one line naming it, not a traceback.
+"""
 
 from __future__ import annotations
 
+import re
 import signal
+import sys
+from typing import Any
 
+from jsonargparse import ArgumentError, DefaultHelpFormatter, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from trace_lightning.lit.console import RLProgressBar, RunSummary, quiet_lightning
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import PolicyModule
+
+DESCRIPTION = """\
+trace-rl: FP4 reinforcement learning for Mixture-of-Experts language models (TRACE).
+
+Rollouts run with FP4 weights, activations and KV cache; they record how they rounded, and the training
+forward rounds to the same codes, so trainer and rollout policy agree. A run is a supervised warm start
+(--model.warmup_steps) followed by GRPO-style RL.
+
+  trace-rl fit --config conf/sim.yaml                      the CPU simulator run (a few minutes)
+  trace-rl fit --config conf/sim.yaml --config conf/method/fp4_qat.yaml    another method on top
+  trace-rl validate --config conf/sim.yaml --ckpt_path CKPT                eval accuracy of a checkpoint
+  trace-rl predict --config conf/sim.yaml --ckpt_path CKPT                 greedy samples as JSON lines
+
+`trace-rl fit --help` lists every setting with its meaning; --print_config shows a run's full config.
+"""
+
+SUBCOMMAND_HELP = {
+    "fit": "Train: supervised warm start, then RL with FP4 rollouts; logs to runs/<method>/version_N.",
+    "validate": "Evaluate a checkpoint: greedy accuracy of the FP4 and the BF16 engine on held-out problems.",
+    "predict": "Sample greedily from a checkpoint (--ckpt_path): one JSON line per problem on stdout.",
+}
+
+
+class HelpFormatter(DefaultHelpFormatter):
+    """Keeps the line breaks of the descriptions (the command examples read as a list)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+PARSER = {"exit_on_error": False, "formatter_class": HelpFormatter}
+"""Every parser raises errors (entry() prints them on one line) and keeps description line breaks."""
+
+
+class CLIError(Exception):
+    """A misuse the user fixes on the command line (printed as one line, exit status 2)."""
 
 
 class TraceCLI(LightningCLI):
     """Links the module's seed into the data module so prompts and rollouts share one seed."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # `test` is left out: the task's held-out evaluation is `validate`.
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in SUBCOMMAND_HELP}
+
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 (jsonargparse parser)
         parser.link_arguments("model.seed", "data.seed")
 
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        bar = [RLProgressBar()] if config.trainer.get("enable_progress_bar") is not False else []
+        self.trainer_defaults["callbacks"] = [*bar, RunSummary()]
+        if self.subcommand == "predict":
+            check_predict_weights(config)
+            config.trainer.logger = False  # sampling is not a run: no runs/ folder, no config.yaml per call
+            self.save_config_callback = None
+        else:
+            name_run_after_method(config)
+
+
+def _method(config: Any) -> str:
+    trace = config.model.get("trace") if hasattr(config.model, "get") else None
+    method = trace.get("method") if trace is not None and hasattr(trace, "get") else None
+    return method or "trace_compact"
+
+
+def name_run_after_method(config: Any) -> None:
+    """A RunLogger without a name logs under save_dir/<method>/ (runs/trace_compact/version_0)."""
+    logger = config.trainer.get("logger")
+    if logger is None or not hasattr(logger, "get") or "init_args" not in logger:
+        return
+    if str(logger.get("class_path", "")).endswith("RunLogger") and not logger.init_args.get("name"):
+        logger.init_args.name = _method(config)
+
+
+def check_predict_weights(config: Any) -> None:
+    """Refuse to sample from randomly initialized weights."""
+    if not (config.get("ckpt_path") or config.model.get("checkpoint") or config.model.get("init_from")):
+        raise CLIError("predict samples from trained weights: pass --ckpt_path CKPT (a trace-rl checkpoint, e.g. "
+                       "runs/trace_compact/version_0/checkpoints/*.ckpt), or --model.checkpoint HF_FOLDER")
+
 
 def main(args: list[str] | None = None, run: bool = True) -> TraceCLI:
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # config fields' docstrings in --help
+    quiet_lightning()
     return TraceCLI(
         PolicyModule,
         RLDataModule,
         args=args,
         run=run,
-        parser_kwargs={"parser_mode": "omegaconf"},
+        parser_kwargs={"parser_mode": "omegaconf", "description": DESCRIPTION, **PARSER,
+                       **{name: {"description": f"{text}\n\n{DESCRIPTION}", **PARSER}
+                          for name, text in SUBCOMMAND_HELP.items()}},
         save_config_kwargs={"overwrite": True},
     )
 
 
+def one_line(err: BaseException) -> str:
+    """The error's message on one line (jsonargparse nests causes over several indented lines)."""
+    text = re.sub(r"\s*\n\s*", " ", str(err)).strip()
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
 def entry() -> None:
-    """The `trace-rl` console script (returns nothing, so the exit status is 0 on success)."""
+    """The `trace-rl` console script: exit 0 on success, 2 with one line on stderr for a bad value or option, and
+    128 + SIGTERM when a fit was killed (Lightning itself leaves with 0 then, and a killed run must not look done)."""
+    argv = sys.argv[1:]
+    command = "trace-rl" + (f" {argv[0]}" if argv and argv[0] in SUBCOMMAND_HELP else "")
     try:
         main()
-    except SIGTERMException as stop:  # Lightning leaves with status 0 on SIGTERM; a killed run must not look done
+    except SIGTERMException as stop:
         raise SystemExit(stop.code or 128 + signal.SIGTERM) from stop
+    except (ArgumentError, CLIError, ValueError) as err:
+        print(f"{command}: error: {one_line(err)}", file=sys.stderr)
+        if not isinstance(err, CLIError):
+            print(f"({command} --help lists every option and value)", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ class TraceConfig:
     """How rollout and training quantize, and how the record guides training."""
 
     method: str = "trace_compact"
-    """bf16 | fp4_naive | fp4_qat | fp4_qat_tis | trace | trace_compact (DESIGN.md section 6)."""
+    """bf16 | fp4_naive | fp4_qat | fp4_qat_tis | trace | trace_compact (docs/design.md, Methods)."""
     fmt: str = "nvfp4"
     """FP4 format: nvfp4 | mxfp4 | mxfp4:rceil."""
     layers: str | None = None

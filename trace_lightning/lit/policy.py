@@ -22,6 +22,7 @@ from trace_lightning.envs import Problem
 from trace_lightning.guidance import FakeQuantHook, GuidedHook, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
+from trace_lightning.lit.tensorboard import log_measured
 from trace_lightning.lit.timing import device_time, peak_memory_gib
 from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
@@ -87,9 +88,10 @@ class PolicyModule(L.LightningModule):
         self,
         model: str = "debug-moe",
         checkpoint: str | None = None,
-        trace: TraceConfig | None = None,
-        rollout: RolloutConfig | None = None,
-        rl: RLConfig | None = None,
+        # Dataclass defaults (not None) so that `trace-rl fit --help` lists each field with its docstring.
+        trace: TraceConfig = TraceConfig(),  # noqa: B008 (never mutated)
+        rollout: RolloutConfig = RolloutConfig(),  # noqa: B008
+        rl: RLConfig = RLConfig(),  # noqa: B008
         lr: float = 1e-3,
         warmup_lr: float = 3e-3,
         warmup_steps: int = 200,
@@ -197,7 +199,7 @@ class PolicyModule(L.LightningModule):
         targets = batch.tokens[:, 1:].masked_fill(~batch.target_mask, -100)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         self._check_finite(loss, "supervised loss")
-        self.log("train/sft_loss", loss, prog_bar=True, batch_size=batch.tokens.shape[0])
+        log_measured(self, {"train/sft_loss": loss.detach()}, self.global_step, batch.tokens.shape[0])
         return {"loss": loss}
 
     def training_hook(self, batch: TrainBatch) -> QuantHook | None:
@@ -234,10 +236,13 @@ class PolicyModule(L.LightningModule):
         loss, stats = policy_loss(logprobs, None, batch.rollout_logprobs, advantages, mask, self.loss_config)
         self._check_finite(loss, "policy loss")
         n = batch.tokens.shape[0]
-        self.log("train/loss", loss, prog_bar=True, batch_size=n)
-        self.log("reward/mean", batch.rewards.mean(), prog_bar=True, batch_size=n)
-        for key, value in stats.items():
-            self.log(key, value, batch_size=n)
+        # Constant by construction, so not logged: one update per batch (old policy = this one) keeps clip_frac
+        # and approx_kl at 0, policy/loss repeats train/loss, a correction of "none" weighs every token 1.
+        skip = {"policy/loss", "policy/clip_frac", "policy/approx_kl"}
+        skip |= {k for k in stats if "correction" in k} if self.correction == "none" else set()
+        measured = {"train/loss": loss.detach(), "reward/mean": batch.rewards.mean(),
+                    **{k: v for k, v in stats.items() if k not in skip}}
+        log_measured(self, measured, self.global_step, n)
         return {"loss": loss, "logprobs": logprobs.detach(), "routes": routes, "hook": hook}
 
     def _check_finite(self, value: Tensor, what: str) -> None:
