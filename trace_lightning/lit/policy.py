@@ -173,11 +173,11 @@ class PolicyModule(L.LightningModule):
         """The optimizer step, then the step's training time (forward, backward, step; not rollout or sync)."""
         super().optimizer_step(*args, **kwargs)
         train_s = device_time(self.device) - self._step_start
-        tokens = float(self._step_tokens)
-        self.log_dict({"time/train_s": train_s, "train/tokens_per_s": tokens / max(train_s, 1e-9)})
-        peak = peak_memory_gib(self.device)
+        metrics = {"time/train_s": train_s, "train/tokens_per_s": self._step_tokens / max(train_s, 1e-9)}
+        peak = peak_memory_gib(self.device)  # since the last step's: this step's rollout, sync and training
         if peak is not None:
-            self.log("memory/peak_gib", peak)
+            metrics["memory/peak_gib"] = peak
+        log_measured(self, metrics, self.global_step - 1)  # global_step already counts this step
 
     def in_warmup(self, step: int | None = None) -> bool:
         return (self.global_step if step is None else step) < self.warmup_steps
