@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trace_lightning.lit.batch import TrainBatch
-from trace_lightning.lit.callbacks import default_callbacks
+from trace_lightning.lit.callbacks import DepthSelectiveCompaction, default_callbacks
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import NonFiniteError, PolicyModule
@@ -61,6 +61,21 @@ def _fit(tmp_path: Path, max_steps: int, method: str = "trace_compact", ckpt: st
     return module, recorder, trainer
 
 
+def test_cpu_threads_hold_for_the_run_only(tmp_path: Path) -> None:
+    """PolicyModule(cpu_threads=1) runs single-threaded and gives the process its thread count back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        seen = []
+        module = PolicyModule(rollout=RolloutConfig(max_new_tokens=2), cpu_threads=1)
+        module.predict_step = lambda batch, batch_idx: seen.append(torch.get_num_threads())
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, limit_predict_batches=1)
+        trainer.predict(module, datamodule=RLDataModule(eval_size=2))
+        assert seen == [1] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_short_fit_logs_finite_mismatch_and_agreement_metrics(tmp_path: Path) -> None:
     module, recorder, _ = _fit(tmp_path, max_steps=5)
     assert sorted(recorder.steps) == [2, 3, 4]
@@ -73,15 +88,38 @@ def test_short_fit_logs_finite_mismatch_and_agreement_metrics(tmp_path: Path) ->
     assert module.worker.policy_version == 5
 
 
-def test_resume_gives_the_same_next_step(tmp_path: Path) -> None:
+def _callback_states(trainer: L.Trainer) -> dict[str, Any]:
+    """Every callback's checkpointed state, plus what DepthSelectiveCompaction derived from it for the worker."""
+    states: dict[str, Any] = {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks}
+    compaction = next(cb for cb in trainer.callbacks if isinstance(cb, DepthSelectiveCompaction))
+    states["layer_agreement"] = dict(compaction.layer_agreement)
+    worker = trainer.lightning_module.worker
+    states["worker"] = (list(worker.record_layers), worker.audit_next, worker.policy_version)
+    return states
+
+
+def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Step 4 (the resumed step) and step 5 (one past it, after the restored optimizer's update) match the
+    uninterrupted run exactly, as do the weights, the optimizer state, the policy version and the callbacks'
+    state. Step 4's forward alone would not notice a dropped optimizer state; step 5 and the weights do."""
     torch.manual_seed(0)
-    _, full, _ = _fit(tmp_path / "a", max_steps=5)
+    full_module, full, full_trainer = _fit(tmp_path / "a", max_steps=6)
     torch.manual_seed(0)
     _fit(tmp_path / "b", max_steps=4, save=True)
-    _, resumed, _ = _fit(tmp_path / "c", max_steps=5, ckpt=str(tmp_path / "b" / "mid.ckpt"))
-    assert sorted(resumed.steps) == [4]
-    for key in ("loss", "reward", "k3_kl"):
-        assert resumed.steps[4][key] == pytest.approx(full.steps[4][key], rel=1e-5, abs=1e-7), key
+    module, resumed, trainer = _fit(tmp_path / "c", max_steps=6, ckpt=str(tmp_path / "b" / "mid.ckpt"))
+    assert sorted(resumed.steps) == [4, 5]
+    for step in (4, 5):
+        assert resumed.steps[step] == full.steps[step], step
+    assert module.policy_version == full_module.policy_version == 6
+    assert full_module.worker.record_layers and _callback_states(full_trainer)["layer_agreement"]
+    assert _callback_states(trainer) == _callback_states(full_trainer)
+    for name, value in full_module.policy.state_dict().items():
+        assert torch.equal(module.policy.state_dict()[name], value), name
+    ours, theirs = trainer.optimizers[0].state_dict()["state"], full_trainer.optimizers[0].state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for index, state in theirs.items():
+        for key, value in state.items():
+            assert torch.equal(ours[index][key], value), (index, key)
 
 
 def test_non_finite_activation_stops_with_step_layer_and_site(tmp_path: Path) -> None:
