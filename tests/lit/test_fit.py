@@ -104,6 +104,7 @@ def test_short_fit_logs_finite_mismatch_and_agreement_metrics(tmp_path: Path) ->
     assert module.worker.policy_version == 5
 
 
+@pytest.mark.slow  # three fits, twice
 @pytest.mark.parametrize("audit_every", [
     2,
     pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=(

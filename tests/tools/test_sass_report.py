@@ -22,6 +22,7 @@ MEASURED_TRITON = "3.9."
 """Exact instruction counts were read off this Triton's SASS; another version may unroll or split differently, so
 there only the version-independent properties are asserted (no loads or spills where there were none, shares)."""
 MEASURED = triton.__version__.startswith(MEASURED_TRITON)
+pytestmark = pytest.mark.slow  # each report compiles the kernels for sm_90 in a subprocess: ~2 minutes in all
 
 
 def sass_reports(out: Path, *settings: str, cases: tuple[str, ...] = ("gate_up", "down", "linear")) -> dict[str, dict]:
