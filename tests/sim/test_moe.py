@@ -61,37 +61,23 @@ def test_fp4_moe_untouched_experts_are_ignored() -> None:
     assert torch.equal(out, out2)
 
 
-U_BF16 = 2.0**-8  # bf16 unit roundoff
-SILU_LIPSCHITZ = 1.0998  # max |silu'(x)|
-
-
-def bf16_moe_error_bound(x: Tensor, w13, w2, ids: Tensor, weights: Tensor) -> Tensor:  # noqa: ANN001
-    """Per-element bound on |fp32-compute - bf16-compute| of fp4_moe without the moe_down quantization, from
-    the bf16 roundings the bf16 path makes (weights to bf16, each GEMM output, silu, the product; fp32
-    accumulation adds K * 2^-24), first order plus the cross terms, on float64 magnitudes."""
-    u, N, k = U_BF16, *ids.shape
-    I, D = w2.shape[-1], x.shape[-1]
-    bound = torch.zeros(N, D, dtype=torch.float64)
+def bf16_loop_reference(x: Tensor, w13, w2, ids: Tensor, weights: Tensor) -> Tensor:  # noqa: ANN001
+    """A bf16 model forward's roundings, one token and slot at a time, sums in float64: weights to bf16, each
+    GEMM output, silu(gate) and its product with up rounded to bf16; the slot sum rounded once at the end."""
+    bf16, (N, k), I = torch.bfloat16, ids.shape, w2.shape[-1]
+    out = torch.zeros(N, x.shape[1], dtype=torch.float64)
     for n in range(N):
         for j in range(k):
-            w13e = expert_slice(w13, int(ids[n, j])).dequantize().double()  # (2I, D)
-            w2e = expert_slice(w2, int(ids[n, j])).dequantize().double().abs()  # (D, I)
-            xd = x[n].double()
-            gate, up = (w13e @ xd).split(I)
-            mag = (w13e.abs() @ xd.abs()).split(I)
-            eg, eu = ((2 * u + D * 2.0**-24) * m for m in mag)  # weight rounding, output rounding, accumulation
-            s = F.silu(gate)
-            es = SILU_LIPSCHITZ * eg + u * (s.abs() + SILU_LIPSCHITZ * eg)  # silu of a perturbed gate, rounded
-            h = (s * up).abs()
-            eh = es * (up.abs() + eu) + s.abs() * eu + u * (h + es * (up.abs() + eu) + s.abs() * eu)
-            ey = w2e @ eh + (2 * u + I * 2.0**-24) * (w2e @ (h + eh))
-            bound[n] += weights[n, j].double() * ey
-    return bound
+            w13e, w2e = (expert_slice(w, int(ids[n, j])).dequantize().to(bf16).double() for w in (w13, w2))
+            gate, up = (w13e @ x[n].double()).to(bf16).split(I)
+            h = (F.silu(gate.float()).to(bf16).float() * up.float()).to(bf16)
+            out[n] += weights[n, j].double() * (w2e @ h.double()).to(bf16).double()
+    return out.to(bf16)
 
 
-def test_fp4_moe_bf16_compute_is_within_its_rounding_bound() -> None:
-    """Without the moe_down quantization (which a half-ulp difference can move by a whole FP4 step), the bf16
-    path differs from the fp32 path by at most the propagated bf16 roundings, plus each output's bf16 cast."""
+def test_fp4_moe_bf16_compute_rounds_where_a_bf16_forward_does() -> None:
+    """Without the moe_down quantization, bit for bit with the per-token bf16 loop (fp32 against float64 sums
+    could part at a bf16 rounding boundary; measured: never, on seeds 0-5). The fp32 path differs from it."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 32, generator=gen).bfloat16()
     w13 = quantize_weight(torch.randn(4, 32, 32, generator=gen))
@@ -99,7 +85,5 @@ def test_fp4_moe_bf16_compute_is_within_its_rounding_bound() -> None:
     ids, weights = random_routing(5, 2, 4, gen)
     a, _ = sim.fp4_moe(x, w13, w2, ids, weights, quantize_intermediate=False)
     b, _ = sim.fp4_moe(x, w13, w2, ids, weights, quantize_intermediate=False, compute_dtype=torch.bfloat16)
-    assert a.dtype == b.dtype == torch.bfloat16
-    difference = (a.double() - b.double()).abs()
-    bound = bf16_moe_error_bound(x, w13, w2, ids, weights) + U_BF16 * (a.double().abs() + b.double().abs())
-    assert difference.max() > 0 and (difference <= bound).all(), float((difference / bound).max())
+    want = bf16_loop_reference(x, w13, w2, ids, weights)
+    assert b.dtype == torch.bfloat16 and torch.equal(b, want) and not torch.equal(a, want)
