@@ -86,7 +86,7 @@ def test_no_capture_for_short_generations(model: Transformer, monkeypatch: pytes
 @pytest.mark.parametrize("precision", ["bf16", FP4Precision(compute_dtype="bf16")])
 def test_cuda_graph_decode_equals_eager_decode(base_model: Transformer, precision: object) -> None:
     """The real capture on CUDA: tokens, logprobs, routes and record bytes as the eager loop's, sampling included."""
-    model = base_model.to("cuda")
+    model = copy.deepcopy(base_model).to("cuda")  # the fixture is shared by the module
     capture = CaptureSpec() if isinstance(precision, FP4Precision) else None
     eager = Engine(copy.deepcopy(model), precision, cuda_graph=False).generate(PROMPTS, PARAMS, capture=capture)
     graph = Engine(copy.deepcopy(model), precision, cuda_graph=True).generate(PROMPTS, PARAMS, capture=capture)
