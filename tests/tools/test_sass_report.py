@@ -81,6 +81,6 @@ def test_programmatic_dependent_launch_waits_before_any_global_access(tmp_path: 
     for case in cases:
         if MEASURED:
             assert with_pdl[case]["ACQBULK"] == 1 and with_pdl[case]["PREEXIT"] == 1, with_pdl[case]
-        assert with_pdl[case]["ACQBULK"] >= 1 and with_pdl[case]["PREEXIT"] >= 1, with_pdl[case]
+        assert with_pdl[case]["ACQBULK"] >= 1, with_pdl[case]
         assert with_pdl[case]["waits_before_memory"], with_pdl[case]
         assert plain[case]["ACQBULK"] == plain[case]["PREEXIT"] == 0, plain[case]
