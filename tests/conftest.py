@@ -1,4 +1,5 @@
-"""Shared test configuration: GPU tests skip cleanly without CUDA; sandbox tests need bubblewrap, except off CI.
+"""Shared test configuration: GPU tests skip cleanly without CUDA; hypothesis is derandomized in CI; sandbox
+tests need bubblewrap, except off CI.
 
 The coding sandbox refuses to run without `bwrap` (by design: nothing weaker is a boundary), so its test files
 cannot even be imported there. On a machine without it they are left out with a notice in the header; under CI
@@ -6,12 +7,22 @@ cannot even be imported there. On a machine without it they are left out with a 
 """
 
 import os
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+from torch import Tensor
 
 from trace_lightning.envs.isolation import bwrap_problem
+
+# In CI every hypothesis test draws the same examples on every run: hypothesis's built-in "ci" profile
+# (derandomize: the seed is a hash of the test's name; no example database, no deadline, print_blob) is loaded
+# when a CI variable is set, and here explicitly for CI=true, so a red CI run replays locally with CI=true.
+# Elsewhere examples stay random.
+if os.environ.get("CI") == "true":
+    settings.load_profile("ci")
 
 _SANDBOX_TESTS = ("security", "envs/test_coding.py")
 
@@ -26,9 +37,14 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    profile = settings.get_current_profile_name()
+    seed = "a hash of each test's name" if settings.default.derandomize else "random (hypothesis prints it on failure)"
+    lines = [f"hypothesis profile {profile!r}: seed {seed}"]
     problem = _sandbox_unavailable()
-    return None if problem is None else f"sandbox tests left out ({', '.join(_SANDBOX_TESTS)}): {problem}"
+    if problem is not None:
+        lines.append(f"sandbox tests left out ({', '.join(_SANDBOX_TESTS)}): {problem}")
+    return lines
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -38,3 +54,81 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def torchao_fp4() -> types.SimpleNamespace:
+    """torchao 0.18's FP4 quantizers, the independent oracle for every wrapper around trace_lightning.quant.
+
+    nvfp4_rows(x) -> (packed uint8 [..., K/2], scale bytes [..., K/16], global scale [..., 1]) with the per-row
+    global scale amax / (448 * 6); nvfp4_rows_dequantized(x, dtype) its values; mxfp4(x, mode) -> (packed,
+    scale bytes); dequantized(x, fmt, dtype) the values for a format name ("nvfp4", "nvfp4:none",
+    "nvfp4:matrix", "mxfp4", "mxfp4:rceil").
+    """
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor, to_mx
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, nvfp4_quantize, per_tensor_amax_to_scale
+
+    from trace_lightning.quant.nvfp4 import GLOBAL_SCALE_FLOOR  # the documented floor for all-zero rows
+
+    def global_scale(x: Tensor, dims: tuple[int, ...]) -> Tensor:
+        return per_tensor_amax_to_scale(x.float().abs().amax(dim=dims, keepdim=True)).clamp(min=GLOBAL_SCALE_FLOOR)
+
+    def nvfp4_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        rows = x.reshape(-1, x.shape[-1])
+        g = global_scale(rows, (-1,))
+        scales, packed = nvfp4_quantize(rows, per_tensor_scale=g)
+        lead = x.shape[:-1]
+        return (packed.view(torch.uint8).reshape(*lead, -1), scales.view(torch.uint8).reshape(*lead, -1),
+                g.reshape(*lead, 1))
+
+    def nvfp4_rows_dequantized(x: Tensor, dtype: torch.dtype) -> Tensor:
+        rows = x.reshape(-1, 1, x.shape[-1])  # one torchao "expert" per row carries the row's global scale
+        g = global_scale(rows, (-1,))
+        return NVFP4Tensor.to_nvfp4(rows, per_tensor_scale=g).dequantize(dtype).reshape(x.shape)
+
+    def mxfp4(x: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+        scales, packed = to_mx(x, torch.float4_e2m1fn_x2, 32, ScaleCalculationMode(mode))
+        return packed.view(torch.uint8), scales.view(torch.uint8)
+
+    def dequantized(x: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
+        kind, _, option = fmt.partition(":")
+        if kind == "mxfp4":
+            mode = ScaleCalculationMode(option or "floor")
+            return MXTensor.to_mx(x, torch.float4_e2m1fn_x2, 32, scaling_mode=mode).dequantize(dtype)
+        if option == "none":
+            return NVFP4Tensor.to_nvfp4(x).dequantize(dtype)
+        if option == "matrix":
+            g = global_scale(x, (-2, -1)).reshape(())
+            return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=g).dequantize(dtype)
+        return nvfp4_rows_dequantized(x, dtype)
+
+    return types.SimpleNamespace(nvfp4_rows=nvfp4_rows, nvfp4_rows_dequantized=nvfp4_rows_dequantized, mxfp4=mxfp4,
+                                 dequantized=dequantized)
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+
+
+def assert_routes_match_float64(gates: Tensor, ids: Tensor, logits: Tensor, top_k: int, scoring: str,
+                                normalize: bool) -> None:
+    """(gates, ids) from logits [..., E] against the router computed in float64 (independent of the model's code).
+
+    ids: their float64 scores are the float64 top-k, best first (robust to exactly tied logits). gates: float32
+    scores carry a relative error of at most (E + 2) * 2^-24 (exp or sigmoid, a sum of E terms, one division),
+    normalizing adds (K + 1) * 2^-24, and the cast to gates.dtype its unit roundoff (2^-8 for bf16).
+    """
+    E = logits.shape[-1]
+    scores = logits.double().softmax(-1) if scoring == "softmax" else logits.double().sigmoid()
+    best = scores.topk(top_k, dim=-1).values
+    chosen = scores.gather(-1, ids)
+    assert torch.equal(chosen, best), "ids are not the float64 router's top-k, best first"
+    want = chosen / chosen.sum(-1, keepdim=True) if normalize else chosen
+    rtol = (E + 2 + (top_k + 1 if normalize else 0)) * 2.0**-24 + _unit_roundoff(gates.dtype)
+    torch.testing.assert_close(gates.double(), want, rtol=rtol, atol=0)
+
+
+@pytest.fixture(scope="session")
+def float64_router() -> object:
+    return assert_routes_match_float64

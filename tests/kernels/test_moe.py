@@ -124,6 +124,27 @@ def test_fp4_moe_does_not_depend_on_the_order_within_an_expert(device: str, monk
     assert torch.equal(q.global_scale, q_rev.global_scale)  # the row globals: where a dot's rounding shows first
 
 
+E2M1_GAPS = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0])  # magnitude index -> gap to the one below
+
+
+def assert_moe_down_records_agree(q, q_ref) -> None:  # noqa: ANN001
+    """The kernel's h differs from the sim's in the last float32 ulps (another summation order), so a code may
+    move, rarely, to the neighbouring magnitude across a rounding boundary: never farther, never its sign. At most
+    1% such moves (none measured under the interpreter on any shape here); the values then agree to one E2M1 gap
+    at that block's scale, and elsewhere to the few ulps by which the row global scales differ."""
+    assert q.shape == q_ref.shape
+    codes, ref_codes = q.codes().cpu().long(), q_ref.codes().cpu().long()
+    moved = codes != ref_codes
+    assert moved.float().mean() <= 0.01
+    step = (codes & 7) - (ref_codes & 7)
+    assert ((step.abs() == 1) & ((codes >> 3) == (ref_codes >> 3)))[moved].all(), "a code moved past a neighbour"
+    multiplier = q_ref.block_multiplier().cpu().repeat_interleave(q_ref.block_size, -1)
+    gap = E2M1_GAPS[torch.maximum(codes & 7, ref_codes & 7)] * multiplier
+    got, want = q.dequantize().cpu(), q_ref.dequantize().cpu()
+    torch.testing.assert_close(got[~moved], want[~moved], rtol=2.0**-20, atol=0)
+    assert ((got - want).abs()[moved] <= gap[moved] * (1 + 2.0**-20)).all()
+
+
 @pytest.mark.parametrize("quantize_h", [True, False])
 @pytest.mark.parametrize("shape", [(9, 64, 48, 6, 2), (40, 32, 32, 4, 3), (12, 256, 128, 4, 2)])  # last: K tiles even
 def test_fp4_moe_matches_sim(device: str, quantize_h: bool, shape: tuple[int, ...]) -> None:
@@ -132,9 +153,7 @@ def test_fp4_moe_matches_sim(device: str, quantize_h: bool, shape: tuple[int, ..
     ref, q_ref = sim.fp4_moe(x, w13, w2, ids, weights, quantize_intermediate=quantize_h)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     if quantize_h:
-        assert q.shape == q_ref.shape
-        assert (q.codes() == q_ref.codes()).float().mean() > 0.99  # h differs in the last ulps
-        torch.testing.assert_close(q.dequantize(), q_ref.dequantize(), rtol=1e-4, atol=1e-4)
+        assert_moe_down_records_agree(q, q_ref)
     else:
         assert q is None
 
@@ -193,7 +212,7 @@ def test_fp4_moe_takes_the_launch_shapes_it_is_given(device: str, monkeypatch: p
         assert (grid[1], warps, stages) == (-(-n // launch.block_n), launch.warps, launch.stages)
     ref, q_ref = sim.fp4_moe(x, w13, w2, ids, weights)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
-    torch.testing.assert_close(q.dequantize(), q_ref.dequantize(), rtol=1e-4, atol=1e-4)
+    assert_moe_down_records_agree(q, q_ref)
 
 
 @pytest.mark.parametrize("tiled", [False, True])

@@ -154,4 +154,10 @@ def test_engine_routes_through_the_kernel(device: str) -> None:
     a, b = fused.generate(prompts, params), plain.generate(prompts, params)
     assert len(calls) == len(routers) * 4  # prefill + 3 decode steps
     assert a.responses == b.responses
-    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0.05)
+    if device == "cpu":  # the interpreter's gates equal torch's here (measured), so everything downstream does
+        assert a.logprobs == b.logprobs and all(torch.equal(x, y) for x, y in zip(a.routes, b.routes, strict=True))
+    else:
+        # CUDA's tl.exp differs from torch's expf, so a gate may be one bf16 ulp off (the tests above). A bf16 logit
+        # below 4 in magnitude (this model's reach 2.6 on the prompts) then moves by one rounding step, 2^-6; a
+        # log-softmax moves by at most twice its largest logit change: 2^-5. Not yet measured on a GPU.
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=2.0**-5)

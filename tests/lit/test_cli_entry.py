@@ -86,3 +86,28 @@ def test_fit_help_explains_the_project_and_every_field(monkeypatch: pytest.Monke
     for docstring in ("Distinct prompts per step", "Guidance layer policy", "Advantage estimator",
                       "Supervised warm-start steps before RL", "Task name"):
         assert docstring in out, docstring
+
+
+@pytest.mark.slow
+def test_fit_logs_its_scalars_and_validate_evaluates_its_checkpoint(tmp_path: Path) -> None:
+    """The event file holds the run's judged scalars, finite, at the RL step; `trace-rl validate` from the checkpoint
+    logs FP4 and BF16 eval accuracy."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fit = _trace_rl("fit", "--config", str(CONF), *TINY, cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    (run,) = (tmp_path / "runs" / "trace_compact").glob("version_*")
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    for tag in ("train/loss", "reward/mean", "mismatch/k3_kl", "time/train_s", "time/rollout_s", "time/sync_s",
+                "rollout/tokens_per_s", "train/tokens_per_s", "eval/accuracy", "eval/bf16_accuracy"):
+        assert tag in logged and [step for step, _ in logged[tag]][-1] == 2, tag  # the one RL step (step 2)
+    assert all(v == v and abs(v) != float("inf") for values in logged.values() for _, v in values)
+    k3 = logged["mismatch/k3_kl"][-1][1]
+    assert 0.0 <= k3 < 1e-4  # guided FP4 training against its own FP4 rollout: logprob noise only
+    (ckpt,) = run.glob("checkpoints/*.ckpt")
+    val = _trace_rl("validate", "--config", str(CONF), "--ckpt_path", str(ckpt), "--trainer.limit_val_batches", "1",
+                    "--data.eval_size", "4", cwd=tmp_path)
+    assert val.returncode == 0, val.stderr[-2000:]
+    assert "eval/accuracy" in val.stdout + val.stderr

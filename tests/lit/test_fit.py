@@ -18,12 +18,27 @@ from trace_lightning.lit.tensorboard import RunLogger
 from trace_lightning.rl import MISMATCH_KEYS, mismatch_metrics
 
 
+def _callback_states(trainer: L.Trainer) -> dict[str, Any]:
+    """Every callback's checkpointed state, what DepthSelectiveCompaction set on the worker, and the versions."""
+    states: dict[str, Any] = {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks
+                              if not isinstance(cb, StepRecorder)}
+    worker = trainer.lightning_module.worker
+    states["worker"] = (list(worker.record_layers), worker.audit_next, worker.policy_version)
+    states["policy_version"] = trainer.lightning_module.policy_version
+    return states
+
+
 class StepRecorder(L.Callback):
-    """Keeps each RL step's loss, reward and k3_kl, and every logged scalar name."""
+    """Keeps each RL step's loss, reward and k3_kl, every logged scalar name, and the callbacks' state as each
+    step starts."""
 
     def __init__(self) -> None:
         self.steps: dict[int, dict[str, float]] = {}
         self.names: set[str] = set()
+        self.states: dict[int, dict[str, Any]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.states[trainer.global_step] = _callback_states(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.names |= set(trainer.callback_metrics)
@@ -37,9 +52,10 @@ class StepRecorder(L.Callback):
 
 
 def _fit(tmp_path: Path, max_steps: int, method: str = "trace_compact", ckpt: str | None = None,
-         save: bool = False) -> tuple[PolicyModule, StepRecorder, L.Trainer]:
+         save: bool = False, audit_every: int = 2, layers: str | None = None) -> tuple[PolicyModule, StepRecorder,
+                                                                                   L.Trainer]:
     module = PolicyModule(
-        trace=TraceConfig(method=method, audit_every=2),
+        trace=TraceConfig(method=method, audit_every=audit_every, layers=layers),
         rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3),
         warmup_steps=2,
         cpu_threads=1,
@@ -63,6 +79,21 @@ def _fit(tmp_path: Path, max_steps: int, method: str = "trace_compact", ckpt: st
     return module, recorder, trainer
 
 
+def test_cpu_threads_hold_for_the_run_only(tmp_path: Path) -> None:
+    """PolicyModule(cpu_threads=1) runs single-threaded and gives the process its thread count back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        seen = []
+        module = PolicyModule(rollout=RolloutConfig(max_new_tokens=2), cpu_threads=1)
+        module.predict_step = lambda batch, batch_idx: seen.append(torch.get_num_threads())
+        trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, limit_predict_batches=1)
+        trainer.predict(module, datamodule=RLDataModule(eval_size=2))
+        assert seen == [1] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_short_fit_logs_finite_mismatch_and_agreement_metrics(tmp_path: Path) -> None:
     module, recorder, _ = _fit(tmp_path, max_steps=5)
     assert sorted(recorder.steps) == [2, 3, 4]
@@ -75,15 +106,38 @@ def test_short_fit_logs_finite_mismatch_and_agreement_metrics(tmp_path: Path) ->
     assert module.worker.policy_version == 5
 
 
-def test_resume_gives_the_same_next_step(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    _, full, _ = _fit(tmp_path / "a", max_steps=5)
-    torch.manual_seed(0)
-    _fit(tmp_path / "b", max_steps=4, save=True)
-    _, resumed, _ = _fit(tmp_path / "c", max_steps=5, ckpt=str(tmp_path / "b" / "mid.ckpt"))
-    assert sorted(resumed.steps) == [4]
-    for key in ("loss", "reward", "k3_kl"):
-        assert resumed.steps[4][key] == pytest.approx(full.steps[4][key], rel=1e-5, abs=1e-7), key
+@pytest.mark.slow  # three fits, twice
+@pytest.mark.parametrize("audit_every", [
+    2,
+    pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=(
+        "DepthSelectiveCompaction decides the resumed step's audit in on_fit_start, where Lightning has not yet "
+        "restored global_step (it reads 0): a resumed run audits its first step, the uninterrupted run does not"))),
+])
+def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path, audit_every: int) -> None:
+    """Step 4 (the resumed step) and step 5 (one past it, after the restored optimizer's update) match the
+    uninterrupted run exactly, as do the callbacks' state and policy version as each starts, and at the end the
+    weights and the optimizer state. Step 4's forward alone would not notice a dropped optimizer state; step 5
+    and the weights do. The auto layer policy makes the compaction callback's audit ranking matter."""
+    runs = {}
+    for name, steps, ckpt in (("full", 6, None), ("first", 4, None), ("resumed", 6, "first/mid.ckpt")):
+        torch.manual_seed(0)
+        runs[name] = _fit(tmp_path / name, max_steps=steps, save=name == "first", audit_every=audit_every,
+                          layers="auto", ckpt=ckpt and str(tmp_path / ckpt))
+    (full_module, full, full_trainer), (module, resumed, trainer) = runs["full"], runs["resumed"]
+    assert sorted(resumed.steps) == sorted(resumed.states) == [4, 5]
+    assert full.states[4]["DepthSelectiveCompaction"]["layer_agreement"]  # an audit ranking to carry over
+    for step in (4, 5):
+        assert resumed.states[step] == full.states[step], step
+        assert resumed.steps[step] == full.steps[step], step
+    assert module.policy_version == full_module.policy_version == 6
+    assert _callback_states(trainer) == _callback_states(full_trainer)
+    for name, value in full_module.policy.state_dict().items():
+        assert torch.equal(module.policy.state_dict()[name], value), name
+    ours, theirs = trainer.optimizers[0].state_dict()["state"], full_trainer.optimizers[0].state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for index, state in theirs.items():
+        for key, value in state.items():
+            assert torch.equal(ours[index][key], value), (index, key)
 
 
 def test_non_finite_activation_stops_with_step_layer_and_site(tmp_path: Path) -> None:

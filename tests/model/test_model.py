@@ -184,8 +184,9 @@ def test_replay_gradients_reach_the_router_and_match_free_routing() -> None:
 
 def test_replayed_gates_are_router_probabilities_at_the_given_ids() -> None:
     model = make_model(norm_topk_prob=False)
-    router, x = model.layers[0].moe.router, torch.randn(B, T, 128)
-    ids = torch.randint(0, 8, (B, T, 2))
+    gen = torch.Generator().manual_seed(5)
+    router, x = model.layers[0].moe.router, torch.randn(B, T, 128, generator=gen)
+    ids = torch.randint(0, 8, (B, T, 2), generator=gen)
     gates, got = router(x, ids)
     probs = torch.nn.functional.linear(x, router.weight).float().softmax(-1)
     assert torch.equal(got, ids)

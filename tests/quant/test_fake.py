@@ -5,57 +5,60 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor
-from torchao.prototype.mx_formats.config import ScaleCalculationMode
-from torchao.prototype.mx_formats.mx_tensor import MXTensor
-from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 
-from trace_lightning.quant import fake_quantize, guided_quantize, parse_format, quantize, row_global_scale
+from trace_lightning.quant import fake_quantize, parse_format, quantize
 
 DTYPES = [torch.float32, torch.bfloat16]
 FORMATS = ["nvfp4", "nvfp4:none", "nvfp4:matrix", "mxfp4", "mxfp4:rceil"]
 
 
-def torchao_dequantized(x: Tensor, fmt: str) -> Tensor:
-    rows, cols = x.shape
-    if fmt == "nvfp4":  # one torchao "expert" per row carries the row's global scale
-        g = row_global_scale(x).reshape(rows, 1, 1)
-        return (
-            NVFP4Tensor.to_nvfp4(x.reshape(rows, 1, cols), per_tensor_scale=g).dequantize(x.dtype).reshape(rows, cols)
-        )
-    if fmt == "nvfp4:none":
-        return NVFP4Tensor.to_nvfp4(x).dequantize(x.dtype)
-    mode = ScaleCalculationMode("rceil" if fmt.endswith("rceil") else "floor")
-    return MXTensor.to_mx(x, torch.float4_e2m1fn_x2, 32, scaling_mode=mode).dequantize(x.dtype)
+E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
 
 def bits(x: Tensor) -> Tensor:
     return x.view(torch.int16 if x.element_size() == 2 else torch.int32)
 
 
+def nearest_with_parity(y: Tensor, parity: Tensor) -> Tensor:
+    """Float64 brute force: the E2M1 magnitude index of that parity nearest to |y| (ties to the smaller one)."""
+    distance = (y.abs().unsqueeze(-1) - E2M1_MAGNITUDES).abs()
+    wrong_parity = (torch.arange(8) & 1) != parity.unsqueeze(-1)
+    return distance.masked_fill(wrong_parity, float("inf")).argmin(-1)  # argmin takes the first (smaller) tie
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_forward_is_the_dequantized_value_in_x_dtype(sample: Tensor, fmt: str, dtype: torch.dtype) -> None:
+def test_forward_is_torchaos_dequantized_value_in_x_dtype(sample: Tensor, fmt: str, dtype: torch.dtype,
+                                                          torchao_fp4) -> None:
     x = sample.to(dtype).requires_grad_()
     out = fake_quantize(x, fmt)
     assert out.dtype == dtype and out.requires_grad
-    assert torch.equal(bits(out.detach()), bits(quantize(x.detach(), fmt).dequantize(dtype)))
-    if fmt != "nvfp4:matrix":
-        assert torch.equal(bits(out.detach()), bits(torchao_dequantized(x.detach(), fmt)))
+    assert torch.equal(bits(out.detach()), bits(torchao_fp4.dequantized(x.detach(), fmt, dtype)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", ["full", "parity", None])
-def test_forward_with_a_record(fmt: str, mode: str | None, dtype: torch.dtype) -> None:
+def test_forward_with_a_record(fmt: str, mode: str | None, dtype: torch.dtype, torchao_fp4) -> None:
+    """full: torchao's value of the rollout input. parity (the default): a float64 brute force over the E2M1
+    grid, the value of the record's parity nearest to x under the record's scales (themselves torchao's)."""
     gen = torch.Generator().manual_seed(2)
     x_r = torch.randn(4, 64, generator=gen) * 5
     ref = parse_format(fmt).quantize(x_r)
-    x = (x_r * (1 + 0.01 * torch.randn(4, 64, generator=gen))).to(dtype)
+    assert torch.equal(bits(ref.dequantize()), bits(torchao_fp4.dequantized(x_r, fmt, torch.float32)))
+    x = (x_r * (1 + 0.25 * torch.randn(4, 64, generator=gen))).to(dtype)  # far enough to leave some codes
     out = fake_quantize(x, fmt, ref=ref, mode=mode)
-    expected = guided_quantize(x, ref, mode or "parity").dequantize(dtype)
-    assert out.dtype == dtype and torch.equal(bits(out), bits(expected))
+    assert out.dtype == dtype
     if mode == "full":
-        assert torch.equal(bits(out), bits(ref.dequantize(dtype)))
+        assert torch.equal(bits(out), bits(torchao_fp4.dequantized(x_r, fmt, dtype)))
+        return
+    multiplier = ref.block_multiplier().repeat_interleave(ref.block_size, -1)  # float32, per element
+    y = x.double() / multiplier.double()
+    index = nearest_with_parity(y, ref.codes().long() & 1)
+    magnitude = E2M1_MAGNITUDES[index].float() * multiplier
+    expected = torch.where(torch.signbit(y), -magnitude, magnitude).to(dtype)
+    assert torch.equal(bits(out), bits(expected))
+    assert (index != ref.codes().long() & 7).any()  # parity guidance really departs from the record somewhere
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

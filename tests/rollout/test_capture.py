@@ -140,19 +140,23 @@ class TrainerRecorder(QuantHook):
 
 def test_record_rows_line_up_with_the_training_forward(model: Transformer, base_model: Transformer) -> None:
     out = Engine(model, FP4Precision(compute_dtype="fp32")).generate(PROMPTS, PARAMS, capture=CaptureSpec())
-    exact = total = 0
+    moved = total = 0
     for b, (p, r) in enumerate(zip(PROMPTS, out.responses, strict=True)):
         trainer = TrainerRecorder()
         with torch.no_grad():
             base_model(torch.tensor([(p + r)[:-1]]), hook=trainer)
         for key, q in out.captures[b].items():
-            codes, ref = q.codes(), trainer.q[key].codes()
+            codes, ref = q.codes().long(), trainer.q[key].codes().long()
             assert codes.shape == ref.shape
-            agreement = (codes == ref).float().mean()
-            assert agreement > 0.999, key
-            exact += int(agreement == 1)
-            total += 1
-    assert exact / total > 0.9  # fp32 reduction order may flip a rare tie
+            flipped = codes != ref
+            # The two sides sum in other orders, so their fp32 inputs may differ in the last ulps: a code can
+            # then only cross one rounding boundary, to the neighbouring magnitude of the same sign (or zero's sign).
+            neighbour = ((codes - ref).abs() == 1) | (((codes & 7) == 0) & ((ref & 7) == 0))  # or -0 / +0
+            assert neighbour[flipped].all(), key
+            moved, total = moved + int(flipped.sum()), total + codes.numel()
+    # A last-ulp difference flips a code only within a few ulps (~2^-22 relative) of a boundary: expected flips
+    # over these ~10^4 codes are far below one (measured: 0 on CPU). Two allows a rare tie on another host.
+    assert total > 5000 and moved <= 2, (moved, total)
 
 
 def test_capture_selection_and_errors(base_model: Transformer) -> None:

@@ -160,18 +160,32 @@ def test_bf16_and_fp4_bf16_engines_run(model: Transformer, base_model: Transform
                                                                              strict=True))
 
 
-def test_fused_router_samples_what_the_models_router_samples(model: Transformer, base_model: Transformer) -> None:
+def test_fused_router_samples_what_the_models_router_samples(model: Transformer, base_model: Transformer,
+                                                             float64_router) -> None:
     """fused_norms hands every Router the backend's route_topk (kernels.route_topk on Triton; tests/kernels/
     test_router.py runs that engine): here the sim's, which is the router's own torch path, so greedy tokens,
-    logprobs and routes come out bit for bit as without it."""
+    logprobs and routes come out bit for bit as without it. Every routing the engine does is also checked
+    against a float64 router on the logits it was given, which does not share the model's code."""
     from trace_lightning import sim
     from trace_lightning.model.model import Router
 
     fused = Engine(model, "bf16", fused_norms=True)
     plain = Engine(copy.deepcopy(base_model), "bf16")
-    assert all(m.fused is sim.route_topk for m in fused.model.modules() if isinstance(m, Router))
+    routers = [m for m in fused.model.modules() if isinstance(m, Router)]
+    assert all(m.fused is sim.route_topk for m in routers)
     assert all(m.fused is None for m in plain.model.modules() if isinstance(m, Router))
+    calls = []
+
+    def checked_route_topk(logits, top_k, scoring, normalize, out_dtype):  # noqa: ANN001, ANN202
+        gates, ids = sim.route_topk(logits, top_k, scoring, normalize, out_dtype)
+        float64_router(gates, ids, logits, top_k, scoring, normalize)
+        calls.append(logits.shape)
+        return gates, ids
+
+    for router in routers:
+        router.fused = checked_route_topk
     params = SamplingParams(max_new_tokens=5, temperature=0.0)
     a, b = fused.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert len(calls) >= len(routers) * params.max_new_tokens  # prefill and every decode step went through it
     assert a.responses == b.responses and a.logprobs == b.logprobs
     assert all(torch.equal(x, y) for x, y in zip(a.routes, b.routes, strict=True))

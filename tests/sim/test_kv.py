@@ -15,24 +15,28 @@ def filled_cache(B: int, Hkv: int, S: int, Dh: int, length: int, gen: torch.Gene
     return layer
 
 
-def test_kv_append_writes_row_quantized_bytes() -> None:
+def test_kv_append_writes_torchaos_row_quantized_bytes(torchao_fp4) -> None:
     gen = torch.Generator().manual_seed(0)
     layer = FP4KVLayer.allocate(2, 3, 10, 32)
     k, v = torch.randn(2, 2, 4, 3, 32, generator=gen)
     positions = torch.tensor([[0, 5, 6, 9], [2, 3, -1, 4]])
     qk, qv = sim.kv_append(layer, k, v, positions)
-    ref_k, ref_v = sim.quantize_nvfp4_rows(k), sim.quantize_nvfp4_rows(v)
-    assert torch.equal(qk.packed, ref_k.packed) and torch.equal(qv.scale_bytes(), ref_v.scale_bytes())
+    k_packed, k_scales, k_global = torchao_fp4.nvfp4_rows(k)
+    v_packed, v_scales, v_global = torchao_fp4.nvfp4_rows(v)
+    assert torch.equal(qk.packed, k_packed) and torch.equal(qv.scale_bytes(), v_scales)
     for b in range(2):
         for t in range(4):
             p = int(positions[b, t])
             if p < 0:
                 continue
-            assert torch.equal(layer.k_packed[b, :, p], ref_k.packed[b, t])
-            assert torch.equal(layer.v_scales[b, :, p].view(torch.uint8), ref_v.scale_bytes()[b, t])
-            assert torch.equal(layer.k_global[b, :, p], ref_k.global_scale[b, t])
+            assert torch.equal(layer.k_packed[b, :, p], k_packed[b, t])
+            assert torch.equal(layer.k_scales[b, :, p].view(torch.uint8), k_scales[b, t])
+            assert torch.equal(layer.v_scales[b, :, p].view(torch.uint8), v_scales[b, t])
+            assert torch.equal(layer.v_packed[b, :, p], v_packed[b, t])
+            assert torch.equal(layer.k_global[b, :, p], k_global[b, t])
+            assert torch.equal(layer.v_global[b, :, p], v_global[b, t])
     assert layer.k_packed[1, :, 7].eq(0).all()  # the skipped (-1) token wrote nothing
-    torch.testing.assert_close(layer.dequantize_k()[0, :, 5], ref_k.dequantize()[0, 1])
+    assert torch.equal(layer.dequantize_k()[0, :, 5], torchao_fp4.nvfp4_rows_dequantized(k, torch.float32)[0, 1])
 
 
 @pytest.mark.parametrize("T", [1, 3])

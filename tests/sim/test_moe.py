@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from trace_lightning import sim
 from trace_lightning.quant import quantize_nvfp4, row_global_scale
@@ -60,13 +61,29 @@ def test_fp4_moe_untouched_experts_are_ignored() -> None:
     assert torch.equal(out, out2)
 
 
-def test_fp4_moe_bf16_compute_is_close() -> None:
+def bf16_loop_reference(x: Tensor, w13, w2, ids: Tensor, weights: Tensor) -> Tensor:  # noqa: ANN001
+    """A bf16 model forward's roundings, one token and slot at a time, sums in float64: weights to bf16, each
+    GEMM output, silu(gate) and its product with up rounded to bf16; the slot sum rounded once at the end."""
+    bf16, (N, k), I = torch.bfloat16, ids.shape, w2.shape[-1]
+    out = torch.zeros(N, x.shape[1], dtype=torch.float64)
+    for n in range(N):
+        for j in range(k):
+            w13e, w2e = (expert_slice(w, int(ids[n, j])).dequantize().to(bf16).double() for w in (w13, w2))
+            gate, up = (w13e @ x[n].double()).to(bf16).split(I)
+            h = (F.silu(gate.float()).to(bf16).float() * up.float()).to(bf16)
+            out[n] += weights[n, j].double() * (w2e @ h.double()).to(bf16).double()
+    return out.to(bf16)
+
+
+def test_fp4_moe_bf16_compute_rounds_where_a_bf16_forward_does() -> None:
+    """Without the moe_down quantization, bit for bit with the per-token bf16 loop (fp32 against float64 sums
+    could part at a bf16 rounding boundary; measured: never, on seeds 0-5). The fp32 path differs from it."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 32, generator=gen).bfloat16()
     w13 = quantize_weight(torch.randn(4, 32, 32, generator=gen))
     w2 = quantize_weight(torch.randn(4, 32, 16, generator=gen))
     ids, weights = random_routing(5, 2, 4, gen)
-    a, _ = sim.fp4_moe(x, w13, w2, ids, weights)
-    b, _ = sim.fp4_moe(x, w13, w2, ids, weights, compute_dtype=torch.bfloat16)
-    assert a.dtype == torch.bfloat16
-    torch.testing.assert_close(a.float(), b.float(), rtol=0.1, atol=0.1 * a.float().abs().max().item())
+    a, _ = sim.fp4_moe(x, w13, w2, ids, weights, quantize_intermediate=False)
+    b, _ = sim.fp4_moe(x, w13, w2, ids, weights, quantize_intermediate=False, compute_dtype=torch.bfloat16)
+    want = bf16_loop_reference(x, w13, w2, ids, weights)
+    assert b.dtype == torch.bfloat16 and torch.equal(b, want) and not torch.equal(a, want)

@@ -1,23 +1,41 @@
-"""sim quantizers: the bytes of trace_lightning.quant, and the parity-bit record layout."""
+"""sim quantizers: torchao 0.18's bytes and values, and the parity-bit record layout."""
 
 import pytest
 import torch
 
 from trace_lightning import sim
-from trace_lightning.quant import quantize_mxfp4, quantize_nvfp4, row_global_scale
 
 
-def test_rows_quantizer_is_quant_with_row_global() -> None:
-    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(0)) * 5
-    ours, ref = sim.quantize_nvfp4_rows(x), quantize_nvfp4(x, row_global_scale(x))
-    assert torch.equal(ours.packed, ref.packed) and torch.equal(ours.scale_bytes(), ref.scale_bytes())
-    assert torch.equal(ours.global_scale, ref.global_scale) and ours.global_scale.shape == (3, 7, 1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_quantizer_is_torchaos_nvfp4_with_a_row_global(dtype: torch.dtype, torchao_fp4) -> None:
+    x = (torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(0)) * 5).to(dtype)
+    x[1, 2] = 0.0  # an all-zero row takes the documented floor global scale
+    ours = sim.quantize_nvfp4_rows(x)
+    packed, scale_bytes, global_scale = torchao_fp4.nvfp4_rows(x)
+    assert torch.equal(ours.packed, packed) and torch.equal(ours.scale_bytes(), scale_bytes)
+    assert torch.equal(ours.global_scale, global_scale) and ours.global_scale.shape == (3, 7, 1)
+    values, record = sim.fake_quantize_nvfp4_rows(x)
+    assert values.dtype == dtype and torch.equal(record.packed, packed)
+    assert torch.equal(values.float(), torchao_fp4.nvfp4_rows_dequantized(x, dtype).float())
+
+
+def test_given_global_scale_is_torchaos() -> None:
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 5
+    for g in (None, torch.tensor(0.01)):
+        scales, packed = nvfp4_quantize(x, per_tensor_scale=g)
+        ours = sim.quantize_nvfp4(x, g)
+        assert torch.equal(ours.packed, packed.view(torch.uint8)) and torch.equal(ours.scale_bytes(),
+                                                                                  scales.view(torch.uint8))
 
 
 @pytest.mark.parametrize("mode", ["floor", "rceil"])
-def test_mxfp4_is_quant(mode: str) -> None:
-    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(sim.quantize_mxfp4(x, mode).packed, quantize_mxfp4(x, mode).packed)
+def test_mxfp4_is_torchaos(mode: str, torchao_fp4) -> None:
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(1)) * 3
+    ours = sim.quantize_mxfp4(x, mode)
+    packed, scale_bytes = torchao_fp4.mxfp4(x, mode)
+    assert torch.equal(ours.packed, packed) and torch.equal(ours.scale_bytes(), scale_bytes)
 
 
 def test_pack_parity_bit_order() -> None:

@@ -18,6 +18,11 @@ import triton
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "sass_report.py"
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+MEASURED_TRITON = "3.9."
+"""Exact instruction counts were read off this Triton's SASS; another version may unroll or split differently, so
+there only the version-independent properties are asserted (no loads or spills where there were none, shares)."""
+MEASURED = triton.__version__.startswith(MEASURED_TRITON)
+pytestmark = pytest.mark.slow  # each report compiles the kernels for sm_90 in a subprocess: ~2 minutes in all
 
 
 def sass_reports(out: Path, *settings: str, cases: tuple[str, ...] = ("gate_up", "down", "linear")) -> dict[str, dict]:
@@ -57,7 +62,11 @@ def test_tiled_weights_arrive_in_16_byte_copies(tiled_reports: dict[str, dict], 
     16 bytes wide (the column mask or an unprovable split-K alignment had held the word loads to 8)."""
     report = tiled_reports[case]
     scale_copies = 2 if case == "gate_up" else 1  # gate and up scale tiles / one weight's
-    assert report["loop_LDGSTS_16B"] == report["loop_LDGSTS"] - scale_copies, report
+    if MEASURED:
+        assert report["loop_LDGSTS_16B"] == report["loop_LDGSTS"] - scale_copies, report
+    else:  # each K step copies an activation tile, a weight tile per scale tile, and the scales
+        narrow = report["loop_LDGSTS"] - report["loop_LDGSTS_16B"]
+        assert 0 < narrow * (2 * scale_copies + 1) <= scale_copies * report["loop_LDGSTS"], report
 
 
 @pytest.mark.skipif(not (NVIDIA_BIN / "cuobjdump").exists(),
@@ -72,6 +81,8 @@ def test_programmatic_dependent_launch_waits_before_any_global_access(tmp_path: 
     with_pdl = sass_reports(tmp_path / "pdl", "PDL=1", cases=cases)
     plain = sass_reports(tmp_path / "plain", "PDL=0", cases=cases)
     for case in cases:
-        assert with_pdl[case]["ACQBULK"] == 1 and with_pdl[case]["PREEXIT"] == 0, with_pdl[case]
+        if MEASURED:
+            assert with_pdl[case]["ACQBULK"] == 1 and with_pdl[case]["PREEXIT"] == 0, with_pdl[case]
+        assert with_pdl[case]["ACQBULK"] >= 1 and with_pdl[case]["PREEXIT"] == 0, with_pdl[case]  # no early launch
         assert with_pdl[case]["waits_before_memory"], with_pdl[case]
         assert plain[case]["ACQBULK"] == plain[case]["PREEXIT"] == 0, plain[case]

@@ -110,8 +110,9 @@ class PolicyModule(L.LightningModule):
             warmup_lr: Learning rate of the supervised warm-start phase.
             warmup_steps: Supervised warm-start steps before RL (0 skips the phase).
             seed: Seed of the initial weights and of every rollout.
-            cpu_threads: torch intra-op threads (0 keeps torch's default). Tiny simulator models run fastest
-                on 1: their ops are too small to split, and spinning threads collapse under CPU contention.
+            cpu_threads: torch intra-op threads while a Trainer runs (0 keeps torch's default; restored after).
+                Tiny simulator models run fastest on 1: their ops are too small to split, and spinning threads
+                collapse under CPU contention.
             init_from: Start from the policy weights of a trace-rl checkpoint (e.g. a shared warm start) with
                 this run's own settings; step and optimizer start fresh. (`--ckpt_path` instead resumes a run,
                 and LightningCLI then takes the run's settings from the checkpoint.)
@@ -137,8 +138,6 @@ class PolicyModule(L.LightningModule):
             kl_coef=self.rl.kl_coef,
             correction=CorrectionConfig(name=self.correction, cap=self.rl.tis_cap),
         )
-        if cpu_threads:
-            torch.set_num_threads(cpu_threads)
         torch.manual_seed(seed)
         self.policy, self.tokenizer = build_policy(model, checkpoint)
         if init_from:
@@ -150,6 +149,15 @@ class PolicyModule(L.LightningModule):
             self, "worker", RolloutWorker(self.policy, self.tokenizer, self.method, self.trace, self.rollout_cfg)
         )
         self._eval_workers: dict[str, RolloutWorker] = {}
+
+    def setup(self, stage: str) -> None:
+        """Take cpu_threads for this run only; teardown gives the process its thread count back."""
+        self._threads_before = torch.get_num_threads()
+        if self.hparams.cpu_threads:
+            torch.set_num_threads(self.hparams.cpu_threads)
+
+    def teardown(self, stage: str) -> None:
+        torch.set_num_threads(getattr(self, "_threads_before", torch.get_num_threads()))
 
     # ---- training -------------------------------------------------------------------------------
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -177,7 +185,7 @@ class PolicyModule(L.LightningModule):
         peak = peak_memory_gib(self.device)  # since the last step's: this step's rollout, sync and training
         if peak is not None:
             metrics["memory/peak_gib"] = peak
-        log_measured(self, metrics, self.global_step - 1)  # global_step already counts this step
+        log_measured(self, metrics, self.global_step)  # Lightning counts the step once this hook returns
 
     def in_warmup(self, step: int | None = None) -> bool:
         return (self.global_step if step is None else step) < self.warmup_steps

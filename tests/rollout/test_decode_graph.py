@@ -1,0 +1,94 @@
+"""The CUDA-graph decode: replayed steps give the eager loop's tokens, logprobs and records.
+
+A captured step attends over the whole cache window (the mask hides what is not yet written), where the eager
+loop attends over the visible prefix; steps 1-2 run eagerly, then one capture and replays until every row is done.
+The CPU checks both with the capture emulated (a "graph" whose replay runs the step); the GPU test captures for
+real. Logprobs are not bit-identical between the two: the full window's softmax sums in another order.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+
+from trace_lightning.model import Transformer
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, RolloutBatch, SamplingParams
+from trace_lightning.rollout.decode import DecodeLoop
+
+from .conftest import PROMPTS
+
+PARAMS = SamplingParams(max_new_tokens=[7, 3, 8, 6], temperature=1.0, seed=4)
+
+
+def emulated_capture(loop: DecodeLoop) -> None:
+    """What _capture sets up, on the CPU: the full cache window, and a replay that runs the captured step."""
+    loop.use_graph = False
+    loop.cache.visible = loop.cache.max_len
+    loop.graph = types.SimpleNamespace(replay=loop.step)
+
+
+def assert_same_rollout(a: RolloutBatch, b: RolloutBatch) -> None:
+    """Same tokens, routes and record bytes; logprobs to float32 rounding. Attending over the whole window sums
+    the softmax over more (masked, zero) terms in another blocking, which moves a logprob by an ulp or two
+    (measured on the CPU: at most 2.4e-7 on values near -2.4, i.e. 2 ulps; allowed 4) but, here, no token or FP4
+    code."""
+    assert a.responses == b.responses
+    for ours, theirs in zip(a.logprobs, b.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2.0**-21, atol=0)
+    assert all(torch.equal(x, y) for x, y in zip(a.routes, b.routes, strict=True))
+    for ours, theirs in zip(a.captures or [], b.captures or [], strict=True):
+        assert ours.keys() == theirs.keys()
+        for key, q in ours.items():
+            assert torch.equal(q.packed, theirs[key].packed), key
+            assert torch.equal(q.scale_bytes(), theirs[key].scale_bytes()), key
+
+
+def test_replayed_steps_over_the_full_window_equal_the_eager_loop(model: Transformer, base_model: Transformer,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    eager = Engine(copy.deepcopy(base_model), FP4Precision(compute_dtype="fp32"), backend="sim", cuda_graph=False)
+    want = eager.generate(PROMPTS, PARAMS, capture=CaptureSpec())
+    assert want.stats["graph_steps"] == 0
+    init = DecodeLoop.__init__
+
+    def graph_on_cpu(self: DecodeLoop, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        init(self, *args, **kwargs)
+        self.use_graph = True
+
+    monkeypatch.setattr(DecodeLoop, "__init__", graph_on_cpu)
+    monkeypatch.setattr(DecodeLoop, "_capture", emulated_capture)
+    got = Engine(model, FP4Precision(compute_dtype="fp32"), backend="sim", cuda_graph=False).generate(
+        PROMPTS, PARAMS, capture=CaptureSpec())
+    # Steps 1 and 2 eager, then replays through step 7 (the longest response has 8 tokens) unless all stop early.
+    assert 0 < got.stats["graph_steps"] <= max(PARAMS.max_new_tokens) - 3
+    assert got.stats["decode_steps"] == want.stats["decode_steps"]
+    assert_same_rollout(got, want)
+
+
+def test_no_capture_for_short_generations(model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture pays off only with replays after it: none when fewer than two steps would follow step 3."""
+    captured = []
+    init = DecodeLoop.__init__
+
+    def graph_on_cpu(self: DecodeLoop, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        init(self, *args, **kwargs)
+        self.use_graph = True
+
+    monkeypatch.setattr(DecodeLoop, "__init__", graph_on_cpu)
+    monkeypatch.setattr(DecodeLoop, "_capture", lambda loop: captured.append(1) or emulated_capture(loop))
+    out = Engine(model, "fp32", cuda_graph=False).generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert not captured and out.stats["graph_steps"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", FP4Precision(compute_dtype="bf16")])
+def test_cuda_graph_decode_equals_eager_decode(base_model: Transformer, precision: object) -> None:
+    """The real capture on CUDA: tokens, logprobs, routes and record bytes as the eager loop's, sampling included."""
+    model = copy.deepcopy(base_model).to("cuda")  # the fixture is shared by the module
+    capture = CaptureSpec() if isinstance(precision, FP4Precision) else None
+    eager = Engine(copy.deepcopy(model), precision, cuda_graph=False).generate(PROMPTS, PARAMS, capture=capture)
+    graph = Engine(copy.deepcopy(model), precision, cuda_graph=True).generate(PROMPTS, PARAMS, capture=capture)
+    assert graph.stats["graph_steps"] > 0 and eager.stats["graph_steps"] == 0
+    assert_same_rollout(graph, eager)  # the CPU's 4-ulp logprob allowance: not yet measured on a GPU
