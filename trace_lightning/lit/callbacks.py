@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from typing import Any
 
@@ -10,7 +12,7 @@ from torch import Tensor
 
 from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
 from trace_lightning.lit.batch import TrainBatch
-from trace_lightning.rl import mismatch_metrics
+from trace_lightning.rl import MismatchMetric
 from trace_lightning.rollout import check_weight_checksums, fp4_weight_checksums
 
 
@@ -21,33 +23,55 @@ class WeightSyncError(RuntimeError):
 class WeightSync(L.Callback):
     """After every optimizer step, stream the master weights to the worker, which re-quantizes them to FP4."""
 
-    def __init__(self, audit_every: int = 10) -> None:
+    def __init__(self, audit_every: int = 10, bucket_mb: int = 256) -> None:
         """
         Args:
-            audit_every: Every N syncs compare the worker's FP4 byte checksums with the trainer's own (0: never).
+            audit_every: Every N syncs compare the worker's FP4 byte checksums with the trainer's own (0: never),
+                and, with several ranks, every rank's checksums with rank 0's.
+            bucket_mb: Size of the weight buckets streamed to the worker (under FSDP, one all-gather each).
         """
-        self.audit_every = audit_every
+        self.audit_every, self.bucket_mb = audit_every, bucket_mb
 
     def _sync(self, module: Any, log: bool = True) -> None:
-        named = module.named_weights_for_sync()
+        audit = bool(self.audit_every) and module.policy_version % self.audit_every == 0 and module.method.rollout_fp4
+        ours: dict[str, str] = {}
         start = time.perf_counter()
-        module.worker.sync(named, module.policy_version)
+        for bucket in module.weight_buckets(self.bucket_mb << 20):
+            module.worker.sync(bucket, module.policy_version)
+            if audit:
+                ours |= fp4_weight_checksums(bucket, module.fmt, config=module.policy.config)
         if log:
             module.log("sync/ms", 1000 * (time.perf_counter() - start))
-        if self.audit_every and module.policy_version % self.audit_every == 0 and module.method.rollout_fp4:
-            audited = self.audit(module, named)
+        if audit:
+            self.check(module, ours)
+            self.check_ranks_agree(module, ours)
             if log:
-                module.log("sync/audited_tensors", float(audited))
+                module.log("sync/audited_tensors", float(len(ours)))
 
     @staticmethod
     def audit(module: Any, named: dict[str, Tensor]) -> int:
         """Compare both sides' FP4 weight checksums; returns how many tensors were compared."""
         ours = fp4_weight_checksums(named, module.fmt, config=module.policy.config)
+        WeightSync.check(module, ours)
+        return len(ours)
+
+    @staticmethod
+    def check(module: Any, ours: dict[str, str]) -> None:
+        """The worker's FP4 bytes are the trainer's quantization of its own master weights."""
         try:
             check_weight_checksums(ours, module.worker.weight_checksums())
         except ValueError as err:
             raise WeightSyncError(f"policy version {module.policy_version}: {err}") from err
-        return len(ours)
+
+    @staticmethod
+    def check_ranks_agree(module: Any, ours: dict[str, str]) -> None:
+        """Every data-parallel rank holds rank 0's weights (DDP's replicas must stay identical); all ranks raise."""
+        strategy = module.trainer.strategy
+        digest = hashlib.sha256(json.dumps(ours, sort_keys=True).encode()).hexdigest()
+        agree = strategy.reduce_boolean_decision(digest == strategy.broadcast(digest, src=0), all=True)
+        if not agree:
+            raise WeightSyncError(f"policy version {module.policy_version}: the ranks' FP4 weights differ from "
+                                  "rank 0's (the data-parallel replicas have diverged)")
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
         self._sync(module, log=False)
@@ -73,7 +97,7 @@ class CacheExchange(L.Callback):
             received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt)
             batch.record = collate_records(received, pad_to=width)
             for key, value in self.exchange.metrics().items():
-                module.log(key, value, batch_size=batch.tokens.shape[0])
+                module.log(key, value, batch_size=batch.tokens.shape[0], sync_dist=True)
         if batch.audit_records:
             batch.audit_record = collate_records(batch.audit_records, pad_to=width)
 
@@ -148,22 +172,26 @@ class MismatchMonitor(L.Callback):
         if not isinstance(batch, TrainBatch) or not isinstance(outputs, dict):
             return
         n = batch.tokens.shape[0]
-        metrics = mismatch_metrics(outputs["logprobs"], batch.rollout_logprobs, batch.response_mask)
+        # Over every rank's tokens: the metric's sufficient statistics are summed across ranks in compute().
+        mismatch = MismatchMetric().to(outputs["logprobs"].device)
+        mismatch.update(outputs["logprobs"], batch.rollout_logprobs, batch.response_mask)
+        metrics = mismatch.compute()
         for key, value in batch.rollout_stats.items():
-            module.log(key, value, batch_size=n)
+            module.log(key, value, batch_size=n, sync_dist=True)  # rank means
         for key, value in metrics.items():
             module.log(key, value, batch_size=n)
         layer_stats: dict[str, list[float]] = {}
         if batch.routes is not None:
             agree = route_agreement(outputs["routes"], batch.routes, batch.response_mask)
-            module.log("moe/route_agreement", sum(agree) / len(agree), batch_size=n)
+            module.log("moe/route_agreement", sum(agree) / len(agree), batch_size=n, sync_dist=True)
             layer_stats["route"] = agree
         hook = outputs.get("hook")
         if hook is not None and getattr(hook, "agreement", None):
             for key, value in hook.metrics().items():
-                module.log(key, value, batch_size=n)
+                module.log(key, value, batch_size=n, sync_dist=True)
             layer_stats["code"] = list(hook.layer_agreement().values())
-        self._tensorboard(trainer, module, batch, layer_stats)
+        if trainer.is_global_zero:
+            self._tensorboard(trainer, module, batch, layer_stats)
 
     def _tensorboard(
         self, trainer: L.Trainer, module: Any, batch: TrainBatch, layer_stats: dict[str, list[float]]

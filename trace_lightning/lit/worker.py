@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -74,7 +74,11 @@ class RolloutWorker(L.LightningModule):
         return CaptureSpec(layers=layers, mode="full")
 
     def generate(
-        self, prompts: list[list[int]], seed: int, greedy: bool = False, capture: CaptureSpec | None = None
+        self,
+        prompts: list[list[int]],
+        seed: int | Sequence[int],
+        greedy: bool = False,
+        capture: CaptureSpec | None = None,
     ) -> RolloutBatch:
         r = self.rollout_cfg
         params = SamplingParams(
@@ -95,8 +99,10 @@ class RolloutWorker(L.LightningModule):
         tok = self.tokenizer
         return "".join("?" if t >= tok.vocab_size else tok.decode([t]) for t in response if t != tok.eos_id)
 
-    def rollout(self, env: Env, problems: list[Problem], seed: int) -> TrainBatch:
-        """Sample group_size responses per problem, score them and align everything for training."""
+    def rollout(self, env: Env, problems: list[Problem], seed: int | Sequence[int]) -> TrainBatch:
+        """Sample group_size responses per problem, score them and align everything for training.
+
+        seed: one batch seed, or one seed per sequence (a data-parallel rank's share of the global batch's)."""
         g = self.rollout_cfg.group_size
         prompts = [self.encode_prompt(p) for p in problems for _ in range(g)]
         capture = self._capture()
