@@ -1,0 +1,209 @@
+"""Data-parallel RL on CPU (gloo): two ranks with B/2 prompts each compute the one-rank step with B prompts.
+
+Same seeds, fp32 training: the ranks' rollouts together are the one-rank rollouts row for row (bit-exact),
+and the loss, the all-reduced gradients and rank 0's logged reward/mismatch equal the one-rank values up to
+fp32 summation order (tolerance derived below). Also a 2-process `trace-rl fit` of conf/sim.yaml.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+from trace_lightning.envs import ENVS, Problem, make_env, register_env
+from trace_lightning.lit.batch import DemoBatch, TrainBatch
+from trace_lightning.lit.callbacks import default_callbacks
+from trace_lightning.lit.config import RolloutConfig, TraceConfig
+from trace_lightning.lit.data import RLDataModule
+from trace_lightning.lit.policy import PolicyModule
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2  # a supervised step at lr 0 (weights stay), then an RL step from the same weights
+U = 2.0**-24  # fp32 unit roundoff
+TOL = 128 * U
+"""Both runs compute the same sums in another order (rows split across ranks, GEMMs of other shapes, the
+all-reduce adding the ranks' halves). A length-n fp32 sum's relative error is bounded by about n*u (Higham's
+gamma_n) and is typically sqrt(n)*u; every sum on the path is over at most n = 128 terms (model width 128,
+8 rows x <= 12 tokens), so n*u = 128u ~ 7.6e-6 bounds the relative difference of the loss, of the gradient
+(in global norm) and of token-mean metrics. Measured: ~3u. The bugs this guards against are far above it:
+a per-rank token mean instead of the global one is off by ~1e-3 here, unsharded seeds change the samples."""
+MISMATCH = ("mismatch/k3_kl", "mismatch/logprob_abs_diff", "mismatch/prob_abs_diff", "mismatch/token_mult_prob_error",
+            "mismatch/is_ratio_min", "mismatch/is_ratio_mean", "mismatch/is_ratio_max", "mismatch/ess")
+TIMING = ("rollout/tokens_per_s", "rollout/seconds", "sync/ms", "guidance/capture_ms")
+
+
+class DigitsEnv:
+    """Arithmetic prompts with a graded reward (the fraction of digits in the response), so that an untrained
+    policy's groups already differ in reward and the RL steps have non-zero advantages."""
+
+    def __init__(self) -> None:
+        self.arithmetic = make_env("arithmetic")
+
+    def sample(self, n: int, seed: int) -> list[Problem]:
+        return self.arithmetic.sample(n, seed)
+
+    def score(self, problem: Problem, response: str) -> float:
+        return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+    def demonstration(self, problem: Problem) -> str:
+        return problem.answer
+
+
+if "digits" not in ENVS:
+    register_env("digits")(DigitsEnv)
+
+
+class MemoryLogger(Logger):
+    """Keeps what Lightning logs; Lightning calls it on rank 0 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: dict[int, dict[str, float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.steps.setdefault(int(step or 0), {}).update({k: float(v) for k, v in metrics.items() if k != "epoch"})
+
+
+class StepProbe(L.Callback):
+    """Per step: the batch rows this rank trained on, its loss, and the gradients the optimizer sees."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.steps = out, []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        rows = batch.target_mask.sum(-1) if isinstance(batch, DemoBatch) else batch.response_mask.sum(-1)
+        self.steps[-1].update(loss=outputs["loss"].detach().clone(), tokens=_rows(batch), row_targets=rows)
+        if isinstance(batch, TrainBatch):
+            self.steps[-1].update(rewards=batch.rewards.clone(), rollout_logprobs=_rows(batch, "rollout_logprobs"))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: Any, optimizer: Any) -> None:
+        grads = {n: p.grad.detach().clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+        self.steps.append({"grads": grads})
+
+    def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
+        logged = trainer.loggers[0].steps if trainer.is_global_zero else None
+        torch.save({"steps": self.steps, "logged": logged}, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _rows(batch: TrainBatch | DemoBatch, field: str = "tokens") -> list[torch.Tensor]:
+    """Each row without its right padding (ranks pad to their own widths)."""
+    values = getattr(batch, field)
+    lengths = batch.attention_mask.sum(-1) - (0 if field == "tokens" else 1)
+    return [v[: int(n)].clone() for v, n in zip(values, lengths, strict=True)]
+
+
+def _trainer(devices: int, max_steps: int, callbacks: list[L.Callback], logger: Logger | bool) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp_fork" if devices > 1 else "auto",
+        max_steps=max_steps,
+        callbacks=[*default_callbacks(), *callbacks],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+    )
+
+
+def _module(warmup_steps: int, warmup_lr: float, init_from: str | None = None) -> PolicyModule:
+    return PolicyModule(
+        trace=TraceConfig(method="trace_compact", audit_every=1),
+        rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3),
+                warmup_steps=warmup_steps,
+        warmup_lr=warmup_lr,
+        init_from=init_from,
+        cpu_threads=1,
+    )
+
+
+def _data() -> RLDataModule:
+    return RLDataModule(env="digits", demo_batch_size=8, eval_size=8)
+
+
+def _warm_start(path: Path) -> str:
+    """Two supervised steps at a high rate: the policy now stops early at times, so responses differ in length."""
+    trainer = _trainer(1, 2, [], logger=False)
+    trainer.fit(_module(warmup_steps=2, warmup_lr=0.05), datamodule=_data())
+    trainer.save_checkpoint(path)
+    return str(path)
+
+
+def _fit(out: Path, devices: int, init_from: str) -> None:
+    """A supervised step at lr 0 (its loss and gradients compared; the weights stay), then an RL step."""
+    trainer = _trainer(devices, STEPS, [StepProbe(out)], logger=MemoryLogger())
+    trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from), datamodule=_data())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    warm = _warm_start(tmp_path_factory.mktemp("warm") / "warm.ckpt")
+    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    _fit(one, 1, warm)
+    _fit(two, 2, warm)
+    load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
+    return {"one": load(one / "rank0.pt"), "ranks": [load(two / f"rank{r}.pt") for r in range(2)]}
+
+
+def _global_norm(grads: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads.values()))
+
+
+@pytest.mark.parametrize("step", range(STEPS))
+def test_ranks_roll_out_the_one_rank_batch_in_whole_groups(runs: dict[str, Any], step: int) -> None:
+    one, ranks = runs["one"]["steps"][step], [r["steps"][step] for r in runs["ranks"]]
+    both = [row for r in ranks for row in r["tokens"]]
+    assert len(both) == len(one["tokens"]) == 8
+    assert all(torch.equal(a, b) for a, b in zip(both, one["tokens"], strict=True))  # rank r holds rows 4r..4r+3
+    counts = [int(r["row_targets"].sum()) for r in ranks]
+    assert counts[0] != counts[1], "the fixture should give the ranks different token counts"
+    if "rewards" in one:
+        assert torch.equal(torch.cat([r["rewards"] for r in ranks]), one["rewards"])
+        assert one["rewards"].unique().numel() > 1, "the fixture should give non-zero advantages"
+        lps = [row for r in ranks for row in r["rollout_logprobs"]]
+        assert all(torch.equal(a, b) for a, b in zip(lps, one["rollout_logprobs"], strict=True))
+
+
+@pytest.mark.parametrize("step", range(STEPS))
+def test_loss_and_all_reduced_gradients_equal_one_rank(runs: dict[str, Any], step: int) -> None:
+    one, ranks = runs["one"]["steps"][step], [r["steps"][step] for r in runs["ranks"]]
+    # Each rank's loss is its share of the global loss; DDP averages the ranks' gradients.
+    shares = float(ranks[0]["loss"] + ranks[1]["loss"]) / 2
+    assert shares == pytest.approx(float(one["loss"]), rel=TOL, abs=TOL)
+    assert ranks[0]["grads"].keys() == ranks[1]["grads"].keys() == one["grads"].keys()
+    for name, grad in ranks[0]["grads"].items():
+        assert torch.equal(grad, ranks[1]["grads"][name]), name  # one all-reduce: identical on every rank
+    diff = {name: grad - one["grads"][name] for name, grad in ranks[0]["grads"].items()}
+    assert _global_norm(diff) <= TOL * _global_norm(one["grads"])
+
+
+@pytest.mark.parametrize("step", range(STEPS))
+def test_rank_zero_logs_loss_reward_and_mismatch_over_all_samples(runs: dict[str, Any], step: int) -> None:
+    one, two = runs["one"]["logged"][step], runs["ranks"][0]["logged"][step]
+    assert runs["ranks"][1]["logged"] is None  # logged once, by rank 0
+    assert one.keys() == two.keys()
+    keys = ("train/sft_loss",) if step == 0 else ("train/loss", "reward/mean", *MISMATCH)
+    for key in keys:
+        assert two[key] == pytest.approx(one[key], rel=TOL, abs=TOL), key
