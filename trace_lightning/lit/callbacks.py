@@ -96,8 +96,9 @@ class CacheExchange(L.Callback):
             ticket = self.exchange.send(batch.records)
             received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt)
             batch.record = collate_records(received, pad_to=width)
-            for key, value in self.exchange.metrics().items():
-                module.log(key, value, batch_size=batch.tokens.shape[0], sync_dist=True)
+            for key, value in self.exchange.metrics().items():  # bytes summed over ranks, the rest rank means
+                module.log(key, value, batch_size=batch.tokens.shape[0], sync_dist=True,
+                           reduce_fx="sum" if key.endswith("_bytes") else "mean")
         if batch.audit_records:
             batch.audit_record = collate_records(batch.audit_records, pad_to=width)
 
