@@ -8,6 +8,9 @@ fp32 summation order (tolerance derived below). Also a 2-process `trace-rl fit` 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +19,16 @@ import pytest
 import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trace_lightning.envs import ENVS, Problem, make_env, register_env
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
 from trace_lightning.lit.callbacks import default_callbacks
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.data import RLDataModule
+from trace_lightning.lit.parallel import DataParallel, _local_denominators, loss_scale
 from trace_lightning.lit.policy import PolicyModule
+from trace_lightning.rl.losses import AGG_MODES, agg_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2  # a supervised step at lr 0 (weights stay), then an RL step from the same weights
@@ -207,3 +213,52 @@ def test_rank_zero_logs_loss_reward_and_mismatch_over_all_samples(runs: dict[str
     keys = ("train/sft_loss",) if step == 0 else ("train/loss", "reward/mean", *MISMATCH)
     for key in keys:
         assert two[key] == pytest.approx(one[key], rel=TOL, abs=TOL), key
+
+
+@pytest.mark.parametrize("agg_mode", sorted(AGG_MODES))
+def test_loss_scale_makes_the_rank_mean_the_global_aggregate(agg_mode: str) -> None:
+    """Two ranks' batches of other widths and token counts: the mean of the scaled rank losses (what DDP's
+    gradient averaging differentiates) is the aggregate over the concatenated batch, in every agg mode."""
+    gen = torch.Generator().manual_seed(0)
+    masks = [torch.rand(3, 5, generator=gen) < 0.7, torch.rand(3, 8, generator=gen) < 0.4]
+    masks[1][2] = False  # a row without response tokens
+    losses = [torch.randn(m.shape, generator=gen, dtype=torch.float64) for m in masks]
+    width = max(m.shape[1] for m in masks)
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+    expected = agg_loss(torch.cat([pad(x) for x in losses]), torch.cat([pad(m) for m in masks]), agg_mode)
+
+    def reduce(value: torch.Tensor, op: str) -> torch.Tensor:  # the two ranks' denominators, summed or maxed
+        both = torch.stack([_local_denominators(m)[-value.numel():] for m in masks])
+        return both.sum(0) if op == "sum" else both.amax(0)
+
+    shares = [agg_loss(x, m, agg_mode) * loss_scale(m, agg_mode, DataParallel(r, 2), reduce).double()
+              for r, (x, m) in enumerate(zip(losses, masks, strict=True))]
+    assert float(sum(shares) / 2) == pytest.approx(float(expected), rel=1e-6)
+    assert float(loss_scale(masks[0], agg_mode, DataParallel(), reduce)) == 1.0
+
+
+def test_prompts_split_in_whole_shares_or_fail_naming_the_setting() -> None:
+    assert DataParallel(1, 2).share(list("abcd"), "x") == ["c", "d"]
+    with pytest.raises(ValueError, match=r"model.rollout.prompts_per_step=5 does not split evenly across 2"):
+        DataParallel(0, 2).share(list("abcde"), "model.rollout.prompts_per_step")
+
+
+def test_two_process_fit_of_the_sim_config(tmp_path: Path) -> None:
+    """`trace-rl fit` of conf/sim.yaml on two gloo ranks: one event file (rank 0), finite metrics, eval gathered."""
+    args = ["--config", str(ROOT / "conf/sim.yaml"), "--config", str(ROOT / "conf/ddp.yaml"),
+            "--trainer.max_steps", "3", "--model.warmup_steps", "1", "--trainer.val_check_interval", "3",
+            "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+            "--model.rollout.prompts_per_step", "4", "--model.rollout.group_size", "4",
+            "--data.demo_batch_size", "8", "--data.eval_size", "8"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "trace_lightning.lit.cli", "fit", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = sorted((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    assert len(events) == 1, events
+    scalars = EventAccumulator(str(events[0])).Reload()
+    for key in ("train/sft_loss", "train/loss", "reward/mean", "mismatch/k3_kl", "eval/accuracy"):
+        values = [e.value for e in scalars.Scalars(key)]
+        assert values and all(math.isfinite(v) for v in values), key
+    assert 0.0 <= scalars.Scalars("eval/accuracy")[-1].value <= 1.0
