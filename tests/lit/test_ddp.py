@@ -8,7 +8,9 @@ fp32 summation order (tolerance derived below). Also a 2-process `trace-rl fit` 
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +20,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import ENVS, Problem, make_env, register_env
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
@@ -103,12 +107,17 @@ class StepProbe(L.Callback):
             self.steps[-1].update(rewards=batch.rewards.clone(), rollout_logprobs=_rows(batch, "rollout_logprobs"))
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: Any, optimizer: Any) -> None:
-        grads = {n: p.grad.detach().clone() for n, p in module.policy.named_parameters() if p.grad is not None}
+        grads = {n: _full(p.grad).detach().clone() for n, p in module.policy.named_parameters() if p.grad is not None}
         self.steps.append({"grads": grads})
 
     def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
         logged = trainer.loggers[0].steps if trainer.is_global_zero else None
         torch.save({"steps": self.steps, "logged": logged}, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as one full tensor (FSDP's are sharded DTensors: every rank gathers them)."""
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def _rows(batch: TrainBatch | DemoBatch, field: str = "tokens") -> list[torch.Tensor]:
@@ -118,11 +127,12 @@ def _rows(batch: TrainBatch | DemoBatch, field: str = "tokens") -> list[torch.Te
     return [v[: int(n)].clone() for v, n in zip(values, lengths, strict=True)]
 
 
-def _trainer(devices: int, max_steps: int, callbacks: list[L.Callback], logger: Logger | bool) -> L.Trainer:
+def _trainer(devices: int, max_steps: int, callbacks: list[L.Callback], logger: Logger | bool,
+             strategy: Any = None) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy="ddp_fork" if devices > 1 else "auto",
+        strategy=strategy or ("ddp_fork" if devices > 1 else "auto"),
         max_steps=max_steps,
         callbacks=[*default_callbacks(), *callbacks],
         logger=logger,
@@ -163,14 +173,43 @@ def _fit(out: Path, devices: int, init_from: str) -> None:
     trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from), datamodule=_data())
 
 
+def _fsdp_rank(rank: int, out: Path, init_from: str, port: int) -> None:
+    """One FSDP2 rank, started by the test (Lightning's launcher would re-run pytest)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
+                      RANK=str(rank), LOCAL_RANK=str(rank))
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = _trainer(2, STEPS, [StepProbe(out)], logger=MemoryLogger(), strategy=strategy)
+    trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from), datamodule=_data())
+
+
+def _fit_fsdp(out: Path, init_from: str) -> None:
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [multiprocessing.get_context("fork").Process(target=_fsdp_rank, args=(r, out, init_from, port))
+             for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+    assert [p.exitcode for p in ranks] == [0, 0]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=False)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    warm = _warm_start(tmp_path_factory.mktemp("warm") / "warm.ckpt")
+def warm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _warm_start(tmp_path_factory.mktemp("warm") / "warm.ckpt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, warm: str) -> dict[str, Any]:
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     _fit(one, 1, warm)
     _fit(two, 2, warm)
-    load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
-    return {"one": load(one / "rank0.pt"), "ranks": [load(two / f"rank{r}.pt") for r in range(2)]}
+    return {"one": _load(one / "rank0.pt"), "ranks": [_load(two / f"rank{r}.pt") for r in range(2)]}
 
 
 def _global_norm(grads: dict[str, torch.Tensor]) -> float:
@@ -262,3 +301,24 @@ def test_two_process_fit_of_the_sim_config(tmp_path: Path) -> None:
         values = [e.value for e in scalars.Scalars(key)]
         assert values and all(math.isfinite(v) for v in values), key
     assert 0.0 <= scalars.Scalars("eval/accuracy")[-1].value <= 1.0
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_compute_the_one_rank_step(tmp_path: Path, warm: str, runs: dict[str, Any]) -> None:
+    """FSDP2 (ModelParallelStrategy, gloo) over two ranks: the engines, synced by the bucketed gather, sample the
+    one-rank rows; the guided training forward on sharded blocks gives the one-rank loss and gradients."""
+    _fit_fsdp(tmp_path, warm)
+    one = runs["one"]
+    ranks = [_load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for step in range(STEPS):
+        mine = [r["steps"][step] for r in ranks]
+        both = [row for r in mine for row in r["tokens"]]
+        assert all(torch.equal(a, b) for a, b in zip(both, one["steps"][step]["tokens"], strict=True))
+        shares = float(mine[0]["loss"] + mine[1]["loss"]) / 2
+        assert shares == pytest.approx(float(one["steps"][step]["loss"]), rel=TOL, abs=TOL)
+        expected = one["steps"][step]["grads"]
+        assert mine[0]["grads"].keys() == expected.keys()
+        diff = {name: grad - expected[name] for name, grad in mine[0]["grads"].items()}
+        assert _global_norm(diff) <= TOL * _global_norm(expected)
+    for key in ("train/loss", "reward/mean", *MISMATCH):
+        assert ranks[0]["logged"][1][key] == pytest.approx(one["logged"][1][key], rel=TOL, abs=TOL), key

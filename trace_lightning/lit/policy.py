@@ -314,11 +314,11 @@ class PolicyModule(L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         accuracy = {key: self._gathered_accuracy(hits) for key, hits in self._eval_hits.items()}
         for key, value in accuracy.items():
-            if value is not None:
-                self.log(key, value, prog_bar=key == "eval/accuracy")
+            if value is not None:  # already over all ranks; sync_dist's mean of equal values keeps it
+                self.log(key, value, prog_bar=key == "eval/accuracy", sync_dist=True)
         if self.method.name == "bf16" and accuracy["eval/accuracy"] is not None:
             # The bf16 method's policy, quantized post hoc by the FP4 engine, is the PTQ baseline.
-            self.log("eval/ptq_accuracy", accuracy["eval/accuracy"])
+            self.log("eval/ptq_accuracy", accuracy["eval/accuracy"], sync_dist=True)
 
     def _gathered_accuracy(self, hits: list[float]) -> float | None:
         """Hits over every rank's share of the evaluation problems (None when nothing was evaluated)."""
