@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.tensor import DTensor
@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from trace_lightning.envs import ENVS, Problem, make_env, register_env
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
 from trace_lightning.lit.callbacks import default_callbacks
+from trace_lightning.lit.cli import main
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.parallel import DataParallel, _local_denominators, loss_scale
@@ -322,3 +323,11 @@ def test_fsdp_ranks_compute_the_one_rank_step(tmp_path: Path, warm: str, runs: d
         assert _global_norm(diff) <= TOL * _global_norm(expected)
     for key in ("train/loss", "reward/mean", *MISMATCH):
         assert ranks[0]["logged"][1][key] == pytest.approx(one["logged"][1][key], rel=TOL, abs=TOL), key
+
+
+@pytest.mark.parametrize(("config", "strategy"), [("ddp", DDPStrategy), ("fsdp", ModelParallelStrategy)])
+def test_scaling_configs_stack_on_sim(config: str, strategy: type) -> None:
+    cli = main(["--config", str(ROOT / "conf/sim.yaml"), "--config", str(ROOT / f"conf/{config}.yaml")], run=False)
+    assert isinstance(cli.trainer.strategy, strategy)
+    assert cli.trainer.num_devices == 2
+    assert cli.model.method.name == "trace_compact"
