@@ -145,9 +145,10 @@ def _trainer(devices: int, max_steps: int, callbacks: list[L.Callback], logger: 
     )
 
 
-def _module(warmup_steps: int, warmup_lr: float, init_from: str | None = None) -> PolicyModule:
+def _module(warmup_steps: int, warmup_lr: float, init_from: str | None = None,
+            method: str = "trace_compact") -> PolicyModule:
     return PolicyModule(
-        trace=TraceConfig(method="trace_compact", audit_every=1),
+        trace=TraceConfig(method=method, audit_every=1),
         rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3),
                 warmup_steps=warmup_steps,
         warmup_lr=warmup_lr,
@@ -168,26 +169,26 @@ def _warm_start(path: Path) -> str:
     return str(path)
 
 
-def _fit(out: Path, devices: int, init_from: str) -> None:
+def _fit(out: Path, devices: int, init_from: str, method: str = "trace_compact") -> None:
     """A supervised step at lr 0 (its loss and gradients compared; the weights stay), then an RL step."""
     trainer = _trainer(devices, STEPS, [StepProbe(out)], logger=MemoryLogger())
-    trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from), datamodule=_data())
+    trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from, method=method), datamodule=_data())
 
 
-def _fsdp_rank(rank: int, out: Path, init_from: str, port: int) -> None:
+def _fsdp_rank(rank: int, out: Path, init_from: str, method: str, port: int) -> None:
     """One FSDP2 rank, started by the test (Lightning's launcher would re-run pytest)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       RANK=str(rank), LOCAL_RANK=str(rank))
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = _trainer(2, STEPS, [StepProbe(out)], logger=MemoryLogger(), strategy=strategy)
-    trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from), datamodule=_data())
+    trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from, method=method), datamodule=_data())
 
 
-def _fit_fsdp(out: Path, init_from: str) -> None:
+def _fit_fsdp(out: Path, init_from: str, method: str) -> None:
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = [multiprocessing.get_context("fork").Process(target=_fsdp_rank, args=(r, out, init_from, port))
+    ranks = [multiprocessing.get_context("fork").Process(target=_fsdp_rank, args=(r, out, init_from, method, port))
              for r in range(2)]
     for p in ranks:
         p.start()
@@ -305,11 +306,18 @@ def test_two_process_fit_of_the_sim_config(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_ranks_compute_the_one_rank_step(tmp_path: Path, warm: str, runs: dict[str, Any]) -> None:
+@pytest.mark.parametrize("method", ["trace_compact", "fp4_qat"])
+def test_fsdp_ranks_compute_the_one_rank_step(tmp_path: Path, warm: str, runs: dict[str, Any], method: str) -> None:
     """FSDP2 (ModelParallelStrategy, gloo) over two ranks: the engines, synced by the bucketed gather, sample the
-    one-rank rows; the guided training forward on sharded blocks gives the one-rank loss and gradients."""
-    _fit_fsdp(tmp_path, warm)
-    one = runs["one"]
+    one-rank rows; the guided (trace_compact) or QAT training forward on sharded blocks gives the one-rank loss
+    and gradients."""
+    if method == "trace_compact":
+        one = runs["one"]
+    else:
+        (tmp_path / "one").mkdir()
+        _fit(tmp_path / "one", 1, warm, method)
+        one = _load(tmp_path / "one" / "rank0.pt")
+    _fit_fsdp(tmp_path, warm, method)
     ranks = [_load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for step in range(STEPS):
         mine = [r["steps"][step] for r in ranks]
