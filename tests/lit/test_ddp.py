@@ -31,7 +31,7 @@ from trace_lightning.lit.callbacks import default_callbacks
 from trace_lightning.lit.cli import main
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.data import RLDataModule
-from trace_lightning.lit.parallel import DataParallel, _local_denominators, loss_scale
+from trace_lightning.lit.parallel import DataParallel, loss_denominators, loss_scale
 from trace_lightning.lit.policy import PolicyModule
 from trace_lightning.rl.losses import AGG_MODES, agg_loss
 
@@ -269,7 +269,7 @@ def test_loss_scale_makes_the_rank_mean_the_global_aggregate(agg_mode: str) -> N
     expected = agg_loss(torch.cat([pad(x) for x in losses]), torch.cat([pad(m) for m in masks]), agg_mode)
 
     def reduce(value: torch.Tensor, op: str) -> torch.Tensor:  # the two ranks' denominators, summed or maxed
-        both = torch.stack([_local_denominators(m)[-value.numel():] for m in masks])
+        both = torch.stack([loss_denominators(m)[-value.numel():] for m in masks])
         return both.sum(0) if op == "sum" else both.amax(0)
 
     shares = [agg_loss(x, m, agg_mode) * loss_scale(m, agg_mode, DataParallel(r, 2), reduce).double()

@@ -53,12 +53,13 @@ Reduce = Callable[[Tensor, str], Tensor]
 """(tensor, "sum" | "max") -> the reduction over data-parallel ranks."""
 
 
-def _local_denominators(mask: Tensor) -> Tensor:
-    """float64 [tokens, sequences with tokens, rows, width] of one rank's (B, T) response mask."""
-    m = mask.bool()
-    rows, width = m.shape
-    return torch.tensor([float(m.sum()), float((m.sum(dim=-1) > 0).sum()), float(rows), float(width)],
-                        dtype=torch.float64, device=mask.device)
+def loss_denominators(mask: Tensor) -> Tensor:
+    """float64 [tokens, sequences with tokens, rows, width] of one rank's (B, T) response mask (on its device,
+    without a host sync): the counts the agg modes divide by."""
+    per_row = mask.bool().sum(dim=-1)  # (B,)
+    rows, width = mask.shape
+    shape = [per_row.new_tensor(rows), per_row.new_tensor(width)]
+    return torch.stack([per_row.sum(), (per_row > 0).sum(), *shape]).double()
 
 
 def loss_scale(mask: Tensor, agg_mode: str, dp: DataParallel, reduce: Reduce) -> Tensor:
@@ -70,7 +71,7 @@ def loss_scale(mask: Tensor, agg_mode: str, dp: DataParallel, reduce: Reduce) ->
     """
     if dp.size == 1:
         return torch.ones((), device=mask.device)
-    local = _local_denominators(mask)
+    local = loss_denominators(mask)
     summed, width = reduce(local.clone(), "sum"), reduce(local[3:].clone(), "max")[0]
     counts = {
         "token_mean": (local[0], summed[0]),
