@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import ENVS, Problem, make_env, register_env
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
-from trace_lightning.lit.callbacks import default_callbacks
+from trace_lightning.lit.callbacks import CacheExchange, DepthSelectiveCompaction, MismatchMonitor, WeightSync
 from trace_lightning.lit.cli import main
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.data import RLDataModule
@@ -135,7 +135,9 @@ def _trainer(devices: int, max_steps: int, callbacks: list[L.Callback], logger: 
         devices=devices,
         strategy=strategy or ("ddp_fork" if devices > 1 else "auto"),
         max_steps=max_steps,
-        callbacks=[*default_callbacks(), *callbacks],
+        # The test's callbacks first (they see each step before the weight sync); every sync audited.
+        callbacks=[*callbacks, WeightSync(audit_every=1), CacheExchange(), DepthSelectiveCompaction(),
+                   MismatchMonitor()],
         logger=logger,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -339,3 +341,19 @@ def test_scaling_configs_stack_on_sim(config: str, strategy: type) -> None:
     assert isinstance(cli.trainer.strategy, strategy)
     assert cli.trainer.num_devices == 2
     assert cli.model.method.name == "trace_compact"
+
+
+class DivergeRankOne(L.Callback):
+    """After the optimizer step, rank 1's master weights drift from rank 0's (as a missed all-reduce would do)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank == 1:
+            with torch.no_grad():
+                module.policy.layers[1].attn.wo.weight.mul_(1.5)
+
+
+def test_weight_audit_stops_every_rank_when_the_replicas_diverge() -> None:
+    """Each rank's engine matches its own master weights, but they are not rank 0's: the audit stops the run."""
+    trainer = _trainer(2, 1, [DivergeRankOne()], logger=False)
+    with pytest.raises(Exception, match="differ from rank 0's"):
+        trainer.fit(_module(warmup_steps=1, warmup_lr=0.0), datamodule=_data())
