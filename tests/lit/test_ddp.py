@@ -51,8 +51,9 @@ TIMING = ("rollout/tokens_per_s", "rollout/seconds", "sync/ms", "guidance/captur
 
 
 class DigitsEnv:
-    """Arithmetic prompts with a graded reward (the fraction of digits in the response), so that an untrained
-    policy's groups already differ in reward and the RL steps have non-zero advantages."""
+    """Arithmetic prompts with a graded reward (the fraction of digits in the response; an empty response scores
+    1 when the answer is negative), so that a barely trained policy's groups already differ in reward (the RL
+    step has non-zero advantages) and its greedy evaluation, which stops at once, is neither 0 nor 1."""
 
     def __init__(self) -> None:
         self.arithmetic = make_env("arithmetic")
@@ -61,7 +62,9 @@ class DigitsEnv:
         return self.arithmetic.sample(n, seed)
 
     def score(self, problem: Problem, response: str) -> float:
-        return sum(c.isdigit() for c in response) / max(len(response), 1)
+        if not response:
+            return float(problem.answer.startswith("-"))
+        return sum(c.isdigit() for c in response) / len(response)
 
     def demonstration(self, problem: Problem) -> str:
         return problem.answer
@@ -129,7 +132,7 @@ def _rows(batch: TrainBatch | DemoBatch, field: str = "tokens") -> list[torch.Te
 
 
 def _trainer(devices: int, max_steps: int, callbacks: list[L.Callback], logger: Logger | bool,
-             strategy: Any = None) -> L.Trainer:
+             strategy: Any = None, validate: bool = False) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -142,18 +145,22 @@ def _trainer(devices: int, max_steps: int, callbacks: list[L.Callback], logger: 
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
+        limit_val_batches=1 if validate else 0,  # one batch of 8 problems (4 per rank), after the last step
+        val_check_interval=max_steps,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
         log_every_n_steps=1,
     )
 
 
 def _module(warmup_steps: int, warmup_lr: float, init_from: str | None = None,
-            method: str = "trace_compact") -> PolicyModule:
+            method: str = "trace_compact", lr: float = 1e-3) -> PolicyModule:
     return PolicyModule(
         trace=TraceConfig(method=method, audit_every=1),
         rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3),
                 warmup_steps=warmup_steps,
         warmup_lr=warmup_lr,
+        lr=lr,
         init_from=init_from,
         cpu_threads=1,
     )
@@ -172,9 +179,11 @@ def _warm_start(path: Path) -> str:
 
 
 def _fit(out: Path, devices: int, init_from: str, method: str = "trace_compact") -> None:
-    """A supervised step at lr 0 (its loss and gradients compared; the weights stay), then an RL step."""
-    trainer = _trainer(devices, STEPS, [StepProbe(out)], logger=MemoryLogger())
-    trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from, method=method), datamodule=_data())
+    """A supervised step and an RL step at lr 0 (their losses and gradients compared; the weights stay, so the
+    ranks' engines and the one-rank engine still hold the same weights), then an evaluation."""
+    trainer = _trainer(devices, STEPS, [StepProbe(out)], logger=MemoryLogger(), validate=True)
+    module = _module(warmup_steps=1, warmup_lr=0.0, lr=0.0, init_from=init_from, method=method)
+    trainer.fit(module, datamodule=_data())
 
 
 def _fsdp_rank(rank: int, out: Path, init_from: str, method: str, port: int) -> None:
@@ -182,8 +191,9 @@ def _fsdp_rank(rank: int, out: Path, init_from: str, method: str, port: int) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", NODE_RANK="0",
                       RANK=str(rank), LOCAL_RANK=str(rank))
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    trainer = _trainer(2, STEPS, [StepProbe(out)], logger=MemoryLogger(), strategy=strategy)
-    trainer.fit(_module(warmup_steps=1, warmup_lr=0.0, init_from=init_from, method=method), datamodule=_data())
+    trainer = _trainer(2, STEPS, [StepProbe(out)], logger=MemoryLogger(), strategy=strategy, validate=True)
+    module = _module(warmup_steps=1, warmup_lr=0.0, lr=0.0, init_from=init_from, method=method)
+    trainer.fit(module, datamodule=_data())
 
 
 def _fit_fsdp(out: Path, init_from: str, method: str) -> None:
@@ -214,6 +224,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, warm: str) -> dict[str, Any]:
     _fit(one, 1, warm)
     _fit(two, 2, warm)
     return {"one": _load(one / "rank0.pt"), "ranks": [_load(two / f"rank{r}.pt") for r in range(2)]}
+
+
+def _eval_logged(logged: dict[int, dict[str, float]]) -> dict[str, float]:
+    return next(metrics for metrics in logged.values() if "eval/accuracy" in metrics)
 
 
 def _global_norm(grads: dict[str, torch.Tensor]) -> float:
@@ -333,6 +347,8 @@ def test_fsdp_ranks_compute_the_one_rank_step(tmp_path: Path, warm: str, runs: d
         assert _global_norm(diff) <= TOL * _global_norm(expected)
     for key in ("train/loss", "reward/mean", *MISMATCH):
         assert ranks[0]["logged"][1][key] == pytest.approx(one["logged"][1][key], rel=TOL, abs=TOL), key
+    accuracy = _eval_logged(ranks[0]["logged"])["eval/accuracy"]
+    assert accuracy == pytest.approx(_eval_logged(one["logged"])["eval/accuracy"], rel=TOL, abs=TOL)
 
 
 @pytest.mark.parametrize(("config", "strategy"), [("ddp", DDPStrategy), ("fsdp", ModelParallelStrategy)])
@@ -357,3 +373,11 @@ def test_weight_audit_stops_every_rank_when_the_replicas_diverge() -> None:
     trainer = _trainer(2, 1, [DivergeRankOne()], logger=False)
     with pytest.raises(Exception, match="differ from rank 0's"):
         trainer.fit(_module(warmup_steps=1, warmup_lr=0.0), datamodule=_data())
+
+
+def test_evaluation_is_split_across_ranks_and_the_accuracy_gathered(runs: dict[str, Any]) -> None:
+    """Each rank scores 4 of the 8 held-out problems; the logged accuracy is over all 8, as on one rank."""
+    one, two = (_eval_logged(runs["one"]["logged"]), _eval_logged(runs["ranks"][0]["logged"]))
+    for key in ("eval/accuracy", "eval/bf16_accuracy"):
+        assert 0.0 < one[key] < 1.0, "the fixture should give a graded accuracy"
+        assert two[key] == pytest.approx(one[key], rel=TOL, abs=TOL), key
