@@ -108,7 +108,8 @@ class RLDataModule(L.LightningDataModule):
         # Held-out problems: a seed range training never draws from.
         problems = self.env.sample(self.eval_size, seed=10**9 + self.seed)
         # Lightning's DistributedSampler splits them across ranks; an uneven split would repeat problems.
-        DataParallel.of(self.trainer.strategy).share(problems, "data.eval_size")
+        if self.trainer is not None:
+            DataParallel.of(self.trainer.strategy).share(problems, "data.eval_size")
         return DataLoader(problems, batch_size=32, collate_fn=list, num_workers=0)
 
     def predict_dataloader(self) -> DataLoader:
