@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -16,6 +17,26 @@ from trace_lightning import kernels
 from trace_lightning.ops import FP4KVLayer
 
 COPY_CEILING = 4.25e12  # bytes/s read + written, device-to-device copy measured on the H200 (GPU.md)
+
+
+def add_kernel_option_args(parser: argparse.ArgumentParser) -> None:
+    """The KernelOptions a benchmark may set (kernels/_common.py); every default is the kernels' own."""
+    parser.add_argument("--autotune", action="store_true", help="autotune GEMM and attention block shapes")
+    parser.add_argument("--no-pdl", action="store_true", help="plain launches, no programmatic dependent launch")
+    parser.add_argument("--attention-shape", default=None, metavar="KEYS,WARPS,STAGES,PER_SM",
+                        help="one decode attention launch shape at every length (tools/sweep_attention.py's BEST)")
+
+
+def kernel_options_from(args: argparse.Namespace) -> kernels.KernelOptions:
+    """KernelOptions from add_kernel_option_args' flags."""
+    shape: dict[str, Any] = {}
+    if args.attention_shape:
+        values = [int(v) for v in args.attention_shape.split(",")]
+        if len(values) != 4:
+            raise SystemExit(f"--attention-shape needs keys,warps,stages,per_sm, got {args.attention_shape!r}")
+        shape = {"attention": kernels.AttentionLaunch(*values[:3]), "attention_long": None,
+                 "attention_programs_per_sm": values[3]}
+    return kernels.KernelOptions(autotune=args.autotune, pdl=not args.no_pdl, **shape)
 
 
 def bench_ms(fn: Callable[[], Any], warmup: int = 25, rep: int = 100) -> float:

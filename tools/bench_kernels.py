@@ -15,7 +15,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _bench import Report, add_bw, bench_ms, empty_fp4_cache, graph_ms, nvfp4_bytes
+from _bench import (
+    Report,
+    add_bw,
+    add_kernel_option_args,
+    bench_ms,
+    empty_fp4_cache,
+    graph_ms,
+    kernel_options_from,
+    nvfp4_bytes,
+)
 from torch import Tensor
 
 from trace_lightning import kernels
@@ -135,13 +144,20 @@ def attention(rep: Report, ctx: int = 2048) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", nargs="*", default=["copy", "quant", "linear", "moe", "attn"])
+    add_kernel_option_args(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA device")
+    with kernels.kernel_options(kernel_options_from(args)):
+        run(args.only)
+
+
+def run(only: list[str]) -> None:
+    """The sections named in `only`, then their table."""
     torch.manual_seed(0)
     rep = Report(["op", "shape", "ms", "MB", "GBps", "pct", "speedup"])
     sections = {"copy": copy_ceiling, "quant": quantizers, "linear": linears, "moe": moe, "attn": attention}
-    for name in args.only:
+    for name in only:
         try:
             sections[name](rep)
         except Exception as err:  # noqa: BLE001  (one failing section must not hide the others' numbers)

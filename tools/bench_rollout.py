@@ -20,7 +20,17 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from _bench import COPY_CEILING, Report, bench_ms, empty_fp4_cache, graph_ms, graph_of, nvfp4_bytes
+from _bench import (
+    COPY_CEILING,
+    Report,
+    add_kernel_option_args,
+    bench_ms,
+    empty_fp4_cache,
+    graph_ms,
+    graph_of,
+    kernel_options_from,
+    nvfp4_bytes,
+)
 from bench_kernels import bf16_moe
 from torch import Tensor
 
@@ -297,9 +307,16 @@ def main() -> None:
                         help="router softmax + top-k with the model's torch ops instead of kernels.route_topk (both "
                              "paths)")
     parser.add_argument("--reserve-gb", type=float, default=8.0, help="memory kept free for activations/workspace")
+    add_kernel_option_args(parser)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_rollout needs a CUDA device")
+    with kernels.kernel_options(kernel_options_from(args)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The long rollouts (--long) or the decode step at each batch, then their table."""
     torch.manual_seed(0)
     s = Shape()
     global FIXED_ROUTING, UNFUSED_ROPE, TORCH_ROUTER

@@ -19,5 +19,6 @@ print("log2 ceil mismatches cpu vs cuda:", int((a != b).sum()), "of", v.numel())
 PY
 timeout ${PYTEST_S:-170} python3 -m pytest -q -p no:cacheprovider tests/kernels tests/sim tests/test_no_hf_kernels.py \
   2>&1 | tee "$OUT/pytest.log" | tail -25
-TRACE_LIGHTNING_AUTOTUNE=${AUTOTUNE:-0} timeout ${KERNELS_S:-200} python3 tools/bench_kernels.py --only $SECTIONS 2>&1 | tee "$OUT/bench_kernels.log" | grep -v '^{'
-TRACE_LIGHTNING_AUTOTUNE=${AUTOTUNE:-0} timeout ${ROLLOUT_S:-240} python3 tools/bench_rollout.py --layers "$LAYERS" 2>&1 | tee "$OUT/bench_rollout.log" | grep -v '^{'
+TUNE=""; [ "${AUTOTUNE:-0}" = 1 ] && TUNE=--autotune  # AUTOTUNE=1: autotuned block shapes (KernelOptions.autotune)
+timeout ${KERNELS_S:-200} python3 tools/bench_kernels.py --only $SECTIONS $TUNE 2>&1 | tee "$OUT/bench_kernels.log" | grep -v '^{'
+timeout ${ROLLOUT_S:-240} python3 tools/bench_rollout.py --layers "$LAYERS" $TUNE 2>&1 | tee "$OUT/bench_rollout.log" | grep -v '^{'

@@ -9,7 +9,7 @@
 set -uo pipefail
 QUICK=0; [ "${1:-}" = "--quick" ] && QUICK=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRACE_LIGHTNING_AUTOTUNE=0
+export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest.log" | tail -2
@@ -17,10 +17,10 @@ cd tools
 LONG=""  # the sweep's best attention shape for the long rollouts; empty: the kernel's default
 if [ $QUICK = 0 ]; then
   timeout 150 python3 sweep_attention.py 2>&1 | tee "$OUT/sweep_attention.log" | grep -v "^#"
-  LONG=$(grep "BEST B=250" "$OUT/sweep_attention.log" | sed 's/.*TRACE_LIGHTNING_ATTN_SHAPE=//')
+  LONG=$(grep "BEST B=250" "$OUT/sweep_attention.log" | sed 's/.*--attention-shape //')
 fi
 long() {  # long 16K rollouts, with the sweep's shape when there is one
-  if [ -n "$LONG" ]; then TRACE_LIGHTNING_ATTN_SHAPE=$LONG "$@"; else "$@"; fi
+  if [ -n "$LONG" ]; then "$@" --attention-shape "$LONG"; else "$@"; fi
 }
 timeout 100 python3 bench_rollout.py --layers 8 --batches 1 16 64 256 2>&1 | tee "$OUT/bench_rollout.log" | grep "^| fp4\|^| bf16" | cut -d'|' -f2,3,6,7,8,12,13
 echo "## the same at batch 64 with the q / k norm + RoPE as torch ops (the before of kernels.rope)"
@@ -30,9 +30,6 @@ timeout 60 python3 bench_rollout.py --layers 8 --batches 64 --torch-router 2>&1 
 long timeout 120 python3 bench_rollout.py --layers 8 --long 16384 2>&1 \
   | tee "$OUT/bench_long.log" | grep "^| fp4\|^| bf16\|FP4 / BF16"
 if [ $QUICK = 0 ]; then
-  # the same long rollouts with the FP4 KV cache in the stored order (the word layout is the default)
-  TRACE_LIGHTNING_KV_WORDS=0 long timeout 120 python3 bench_rollout.py --layers 8 \
-    --long 16384 2>&1 | tee "$OUT/bench_long_kv_stored.log" | grep "^| fp4\|FP4 / BF16"
   timeout 150 python3 bench_kernels.py --only copy quant linear moe attn 2>&1 | tee "$OUT/bench_kernels.log" | grep "fp4\|bf16" | cut -d'|' -f2-4,7-8
 fi
 timeout 100 python3 gpu_engine_check.py 2>&1 | tee "$OUT/engine_check.log" | grep "cuda_graph\|triton_vs_sim"

@@ -98,23 +98,23 @@ def loop_ops(sass: str, full: bool = False) -> collections.Counter:
 
 
 CASES = {
-    "gate_up": (_gate_up_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0, "TILED": 0,
+    "gate_up": (_gate_up_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "FAST": 1, "WORDS": 0, "TILED": 0,
                                   "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
-    "down": (_down_kernel, {"QUANT_A": 1, "DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0,
+    "down": (_down_kernel, {"QUANT_A": 1, "DTYPE": tl.bfloat16, "PREC": "tf32", "FAST": 1, "WORDS": 0,
                             "TILED": 0, "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "linear": (_linear_kernel, {"DTYPE": tl.bfloat16, "PREC": "tf32", "SWAP": 1, "FAST": 1, "WORDS": 0,
                                 "TILED": 0, "EVEN_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}),
     "attention": (_attn_split_kernel, {"G": 8, "DH": 128, "BLOCK_G": 8, "BLOCK_S": 64, "DTYPE": tl.bfloat16,
-                                       "PREC": "tf32", "FAST": 1, "WORDS": 1, "SWAP": 1, "TILES": 0}),
+                                       "PREC": "tf32", "FAST": 1, "WORDS": 1, "TILES": 0}),
     # the quantizers at the benchmark's shape (K = 8192: one row per program, one pass; --warps 4 as launched, 8 for the
     # fake-quant / operand variants)
-    "nvfp4_rows": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
+    "nvfp4_rows": (_nvfp4_kernel, {"GLOBAL": 2, "DEQUANT": 0, "ONE_PASS": 1, "BLOCK_R": 1,
                                    "BLOCK_K": 8192}),
-    "nvfp4_rows_operand": (_nvfp4_kernel, {"MODE": 2, "DEQUANT": 2, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
+    "nvfp4_rows_operand": (_nvfp4_kernel, {"GLOBAL": 2, "DEQUANT": 2, "ONE_PASS": 1, "BLOCK_R": 1,
                                            "BLOCK_K": 8192}),  # + the moe_down GEMM operand (bf16)
-    "nvfp4_given": (_nvfp4_kernel, {"MODE": 1, "DEQUANT": 0, "RECIP": 1, "ONE_PASS": 1, "BLOCK_R": 1,
+    "nvfp4_given": (_nvfp4_kernel, {"GLOBAL": 1, "DEQUANT": 0, "ONE_PASS": 1, "BLOCK_R": 1,
                                     "BLOCK_K": 8192}),  # a given global scale (weights)
-    "mxfp4_floor": (_mxfp4_kernel, {"RCEIL": 0, "RECIP": 1, "BLOCK_R": 1, "BLOCK_K": 8192}),
+    "mxfp4_floor": (_mxfp4_kernel, {"RCEIL": 0, "BLOCK_R": 1, "BLOCK_K": 8192}),
     # the router's softmax + top-8 of 128 experts, as route_topk launches it (8 rows a program)
     "router": (_route_topk_kernel, {"SOFTMAX": 1, "NORMALIZE": 1, "TOP_K": 8, "BLOCK_K": 8, "ROWS": 8,
                                     "BLOCK_E": 128}),
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES))
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BLOCK_K=64 SWAP=0")
+    parser.add_argument("--set", nargs="*", default=[], help="constexpr overrides, e.g. BLOCK_K=64 PDL=1")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"triton {triton.__version__}, sm_90, {args.warps} warps, {args.stages} stages")

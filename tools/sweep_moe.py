@@ -1,10 +1,9 @@
-"""Fused FP4 MoE launch sweep: gate/up and down (block_n, K tile, warps, stages), align (sort by warps, and by
-atomic cursors).
+"""Fused FP4 MoE launch sweep: gate/up and down (block_n, K tile, warps, stages), and the alignment alone.
 
 Run: python tools/sweep_moe.py [--align-only] [--gemms down] [--batches 16 64]
 (CUDA only; graph-replayed median us of the whole fp4_moe call at decode sizes)
-Each GEMM is varied with the other at its default (they run one after the other, so their times add);
-the defaults are trace_lightning/kernels/moe.py's GATE_UP_LAUNCH and DOWN_LAUNCH.
+Each GEMM is varied with the other at its default (they run one after the other, so their times add), through
+KernelOptions.moe_gate_up / moe_down (kernels/_common.py; their defaults keep moe.py's choices by size).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ DOWN = [*itertools.product((32, 64, 128), (None,), (4, 8), (3,)), (64, None, 4, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--align-only", action="store_true", help="time only the alignment (sort and atomic)")
+    parser.add_argument("--align-only", action="store_true", help="time only the alignment")
     parser.add_argument("--gemms", nargs="*", default=["gate_up", "down"], choices=["gate_up", "down"])
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     args = parser.parse_args()
@@ -42,7 +41,6 @@ def main() -> None:
     w2 = torch.randn(E, D, I, device="cuda", dtype=torch.bfloat16) * 0.02
     q13 = kernels.prepare_weight(kernels.quantize_nvfp4(w13, tensor_global_scale(w13, 2).unsqueeze(-1)), w13.dtype)
     q2 = kernels.prepare_weight(kernels.quantize_nvfp4(w2, tensor_global_scale(w2, 2).unsqueeze(-1)), w2.dtype)
-    defaults = (moe_kernels.GATE_UP_LAUNCH, moe_kernels.DOWN_LAUNCH)
     for N in args.batches:
         x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
         gates, ids = torch.rand(N, E, device="cuda").softmax(-1).topk(k, dim=-1)
@@ -54,33 +52,18 @@ def main() -> None:
         for name, variants in () if args.align_only else sweeps:
             results = []
             for v in variants:
-                if name == "gate_up":
-                    moe_kernels.GATE_UP_LAUNCH = v  # (block_n, block_k, warps, stages)
-                else:
-                    moe_kernels.DOWN_LAUNCH = v
+                options = kernels.KernelOptions(**{f"moe_{name}": kernels.GemmLaunch(*v)})
                 try:
-                    results.append((graph_ms(call) * 1e3, v))
+                    with kernels.kernel_options(options):
+                        results.append((graph_ms(call) * 1e3, v))
                 except Exception as err:  # noqa: BLE001  (a shape that does not compile is a result too)
                     print(f"# N={N} {name} {v}: {type(err).__name__}", file=sys.stderr)
-            moe_kernels.GATE_UP_LAUNCH, moe_kernels.DOWN_LAUNCH = defaults
             results.sort()
             best = "; ".join(f"{us:.0f} us {v}" for us, v in results[:4])
             print(f"N={N} {name}: default {base:.0f} us; best {best}", flush=True)
         block_m = moe_kernels.moe_config(N * k, E, I, x.device)[0]
-        align, default_align = {}, moe_kernels.ALIGN_ATOMIC
-        moe_kernels.ALIGN_ATOMIC = False  # the stable sort (TRACE_LIGHTNING_ALIGN=sort) by warps
-        for warps in (4, 8, 16):
-            moe_kernels.ALIGN_WARPS = warps
-            align[warps] = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
-        moe_kernels.ALIGN_WARPS = None
-        sorted_whole = graph_ms(call) * 1e3
-        print(f"N={N} align_pairs sort us by warps: " + ", ".join(f"{w}: {us:.1f}" for w, us in align.items())
-              + f"; fp4_moe with it {sorted_whole:.0f} us", flush=True)
-        moe_kernels.ALIGN_ATOMIC = True  # pairs placed by atomic cursors (the default)
-        atomic = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
-        whole = graph_ms(call) * 1e3
-        moe_kernels.ALIGN_ATOMIC = default_align
-        print(f"N={N} align_pairs by atomic cursors: {atomic:.1f} us; fp4_moe with it {whole:.0f} us", flush=True)
+        align = graph_ms(partial(moe_kernels.align_pairs, ids, E, block_m)) * 1e3
+        print(f"N={N} align_pairs: {align:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

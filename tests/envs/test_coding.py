@@ -5,9 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from trace_lightning.envs import CodingEnv, Problem, program_from_response, run_sandboxed
+from trace_lightning.envs import CodingEnv, Problem, SandboxUnavailable, program_from_response, run_sandboxed
+from trace_lightning.envs.isolation import bwrap_problem
 
 ENV = CodingEnv()
+# Start-up and teardown of a sandbox on a loaded 2-core machine; the runs bounded below would otherwise
+# never end (an infinite loop, a 30 s sleep), so any bound of a few seconds shows the kill works.
+SLACK_S = 2.0
 AFFINE = Problem(
     prompt="f(0)=3;f(1)=5;f(2)=7\nf=lambda x:",
     answer="2*x+3",
@@ -39,13 +43,13 @@ def test_sampled_problems_short_and_demonstrations_pass() -> None:
 def test_infinite_loop_times_out_fast() -> None:
     start = time.monotonic()
     assert ENV.score(AFFINE, "def f(x):\n    while True:\n        pass") == 0.0
-    assert time.monotonic() - start < 2.5
+    assert time.monotonic() - start < ENV.timeout_s + SLACK_S
 
 
 def test_sleep_is_killed_by_wall_timeout() -> None:
     start = time.monotonic()
     result = run_sandboxed("import time\ntime.sleep(30)", "f", [(1,)], timeout_s=0.5)
-    assert result.status == "timeout" and time.monotonic() - start < 1.5
+    assert result.status == "timeout" and time.monotonic() - start < 0.5 + SLACK_S
 
 
 @pytest.mark.parametrize(
@@ -69,7 +73,7 @@ def test_hostile_code_gets_zero_and_does_no_harm(code: str, tmp_path: Path) -> N
     marker = tmp_path / "pwned"
     start = time.monotonic()
     assert ENV.score(AFFINE, code.format(marker=marker)) == 0.0
-    assert time.monotonic() - start < 2.5
+    assert time.monotonic() - start < ENV.timeout_s + SLACK_S
     assert not marker.exists()
 
 
@@ -83,3 +87,27 @@ def test_program_from_response() -> None:
     assert program_from_response(" x*2 \nmore") == "f = lambda x: (x*2)"
     assert program_from_response("def f(x):\n  return x") == "def f(x):\n  return x"
     assert program_from_response("  \n ") is None
+
+
+@pytest.fixture
+def no_bwrap(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A PATH without bwrap (the availability probe is cached, so clear it on both sides)."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    bwrap_problem.cache_clear()
+    yield
+    bwrap_problem.cache_clear()
+
+
+@pytest.mark.usefixtures("no_bwrap")
+def test_refuses_to_start_without_bwrap_unless_weaker_mode_is_chosen() -> None:
+    with pytest.raises(SandboxUnavailable, match=r"`bwrap` executable was not found.*apt-get install bubblewrap"):
+        CodingEnv()
+    with pytest.raises(SandboxUnavailable, match="isolation='none'"):
+        run_sandboxed("f = abs", "f", [(1,)])
+    weak = CodingEnv(isolation="none")
+    assert weak.score(AFFINE, " 2*x+3") == 1.0 and weak.score(AFFINE, " x") == 0.0
+
+
+def test_unknown_isolation_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown isolation 'docker'"):
+        CodingEnv(isolation="docker")

@@ -21,7 +21,8 @@ def _captures(t: int, fmt: str = "nvfp4", seed: int = 0) -> tuple[dict, torch.Te
     f = FP4Format("nvfp4") if fmt == "nvfp4" else FP4Format("mxfp4", mx_mode="rceil")
     caps = {(0, "attn_in"): f.quantize(_x(t, 64, seed=seed)), (1, "k"): f.quantize(_x(t, 2, 32, seed=seed + 1)),
             (1, "moe_down"): f.quantize(_x(t, 2, 64, seed=seed + 2))}
-    routes = torch.randint(0, 8, (2, t, 2), generator=torch.Generator().manual_seed(seed))
+    # two distinct experts of 8 per token, as a router's top-k picks them
+    routes = torch.rand(2, t, 8, generator=torch.Generator().manual_seed(seed)).argsort(dim=-1)[..., :2]
     return caps, routes
 
 

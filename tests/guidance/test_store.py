@@ -107,7 +107,7 @@ def test_wrong_format_is_refused() -> None:
     with pytest.raises(RecordError, match="wrong format: record mode is 'parity', expected 'full'"):
         load_record(data, mode="full")
     plain = safetensors.torch.save({"x": torch.zeros(2)})
-    with pytest.raises(RecordError, match="wrong format: not a trace_lightning.record/1 record"):
+    with pytest.raises(RecordError, match="wrong format: not a trace_lightning.record/2 record"):
         load_record(plain)
 
     def float_scales(tensors, metadata):

@@ -39,19 +39,16 @@ def test_kv_append_bytes_match_sim(device: str, dtype: torch.dtype) -> None:
         assert same_bits(a, b) if a.dtype == torch.float32 else torch.equal(a, b)
 
 
+LONG_SHAPE_EVERYWHERE = kernels.KernelOptions(attention=kernels.AttentionLaunch(32, 1, 3), attention_long=None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-@pytest.mark.parametrize("form", ["keys_on_m", "keys_on_m_long_shape", "q_side"])
-def test_attention_matches_sim(monkeypatch: pytest.MonkeyPatch, device: str, dtype: torch.dtype, splits: int | None,
-                               form: str) -> None:
-    """Both MMA forms (keys on the M side, the default, or query heads on it) against the sim, the first also with
-    the long-stream launch shape (one warp) at every length."""
-    from trace_lightning.kernels import kv as kv_kernels
-
-    monkeypatch.setattr(kv_kernels, "ATTN_SWAP", form != "q_side")
-    if form == "keys_on_m_long_shape":
-        monkeypatch.setattr(kv_kernels, "ATTN_LONG_SHAPE", (32, 1, 3))
-        monkeypatch.setattr(kv_kernels, "ATTN_LONG_KEYS", 0)
+@pytest.mark.parametrize("shape", ["default", "long_everywhere"])
+def test_attention_matches_sim(device: str, dtype: torch.dtype, splits: int | None, shape: str) -> None:
+    """Against the sim with the default launch shapes and with the long-stream shape (one warp, 32 keys) at every
+    length."""
+    options = LONG_SHAPE_EVERYWHERE if shape == "long_everywhere" else kernels.KernelOptions()
     gen = torch.Generator().manual_seed(1)
     B, Hq, Hkv, S, Dh, T = 2, 8, 2, 150, 64, 2
     layer = FP4KVLayer.allocate(B, Hkv, S, Dh, device)
@@ -59,7 +56,8 @@ def test_attention_matches_sim(monkeypatch: pytest.MonkeyPatch, device: str, dty
     sim.kv_append(layer, k, v, torch.arange(S, device=device).expand(B, S))
     q = torch.randn(B, Hq, T, Dh, generator=gen).to(dtype).to(device)
     q_pos = torch.tensor([[60, 61], [-1, 149]], device=device)
-    out = kv_attention(q, layer, q_pos, Dh**-0.5, splits)
+    with kernels.kernel_options(options):
+        out = kv_attention(q, layer, q_pos, Dh**-0.5, splits)
     ref = sim.fp4_kv_attention(q.float(), layer, q_pos, Dh**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
     assert out[1, :, 0].eq(0).all()
@@ -69,21 +67,29 @@ def test_attention_matches_sim(monkeypatch: pytest.MonkeyPatch, device: str, dty
 
 @pytest.mark.parametrize(("batch", "splits"), [(1, 33), (16, 7), (64, 2), (256, 1)])
 def test_attention_splits_fill_whole_waves(monkeypatch: pytest.MonkeyPatch, batch: int, splits: int) -> None:
-    """On an H200 (132 SMs, 4 attention programs each) at 2K context, 64-key blocks, 4 kv heads: the split
-    count minimises rounds x (blocks per program + 1). At batch 64 that is 2 splits (512 programs, one wave of
+    """On an H200 (132 SMs, 4 attention programs each, the default) at 2K context, 64-key blocks, 4 kv heads: the
+    split count minimises rounds x (blocks per program + 1). At batch 64 that is 2 splits (512 programs, one wave of
     17 blocks each), not the 3 a fill-the-chip rule picks (768 programs = 1.45 waves: two rounds of 11)."""
     from trace_lightning.kernels import kv as kv_kernels
 
     monkeypatch.setattr(kv_kernels, "sm_count", lambda device: 132)
-    monkeypatch.setattr(kv_kernels, "ATTN_PROGRAMS_PER_SM", 4)
     work, blocks = batch * 4, 33  # 2049 keys in 64-key blocks
+    assert kernels.KernelOptions().attention_programs_per_sm == 4
     assert kv_kernels.attention_splits(work, 2049, 64, torch.device("cuda")) == splits
+    with kernels.kernel_options(kernels.KernelOptions(attention_programs_per_sm=8)):  # twice the wave: fewer rounds
+        assert kv_kernels.attention_splits(work, 2049, 64, torch.device("cuda")) == _best(work, blocks, 1056)
 
-    def cost(s: int) -> int:  # rounds x (blocks per program + 1), independent of the function under test
+    assert splits == _best(work, blocks, 528)
+
+
+def _best(work: int, blocks: int, wave: int) -> int:
+    """The fewest splits of the least rounds x (blocks per program + 1), independent of the function under test."""
+
+    def cost(s: int) -> int:
         per = -(-blocks // s)
-        return -(-(work * -(-blocks // per)) // 528) * (per + 1)
+        return -(-(work * -(-blocks // per)) // wave) * (per + 1)
 
-    assert cost(splits) == min(cost(s) for s in range(1, blocks + 1))
+    return min(range(1, blocks + 1), key=lambda s: (cost(s), -(-blocks // -(-blocks // s))))
 
 
 def test_word_layout_cache_append_and_attention(device: str) -> None:
@@ -155,43 +161,36 @@ def test_value_tile_cache_rejects_a_partial_tile() -> None:
         FP4KVLayer(*(t[:, :, :10] for t in layer.tensors()), value_tiles=True)
 
 
-def test_value_tiles_where_the_fast_decoder_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TRACE_LIGHTNING_KV_TILES", raising=False)
+def test_value_tiles_where_the_fast_decoder_runs() -> None:
     assert kernels.prefers_value_tiles(torch.bfloat16, "cuda")
     assert not kernels.prefers_value_tiles(torch.float32, "cuda")
+    assert not kernels.prefers_value_tiles(torch.float16, "cuda")
     assert not kernels.prefers_value_tiles(torch.bfloat16, "cpu")
     assert not sim.prefers_value_tiles(torch.bfloat16, "cuda")
-    monkeypatch.setenv("TRACE_LIGHTNING_KV_TILES", "0")
-    assert not kernels.prefers_value_tiles(torch.bfloat16, "cuda")
 
 
-def test_kv_word_layout_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Weights and the KV cache take the word layout wherever the fast decoder runs; the cache keeps the stored
-    order with TRACE_LIGHTNING_KV_WORDS=0."""
-    monkeypatch.delenv("TRACE_LIGHTNING_KV_WORDS", raising=False)
-    assert kernels.prefers_word_layout(torch.bfloat16, "cuda")
-    assert kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
-    assert not kernels.prefers_word_layout(torch.float32, "cuda")
-    assert not kernels.prefers_word_layout(torch.bfloat16, "cpu", cache=True)
-    monkeypatch.setenv("TRACE_LIGHTNING_KV_WORDS", "0")
-    assert not kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
-    assert kernels.prefers_word_layout(torch.bfloat16, "cuda")
-    assert not sim.prefers_word_layout(torch.bfloat16, "cuda", cache=True)
+def test_word_layout_where_the_fast_decoder_runs() -> None:
+    """Weights and the KV cache alike take the word layout wherever the fast decoder runs (CUDA, bf16)."""
+    for cache in (False, True):
+        assert kernels.prefers_word_layout(torch.bfloat16, "cuda", cache=cache)
+        assert not kernels.prefers_word_layout(torch.float32, "cuda", cache=cache)
+        assert not kernels.prefers_word_layout(torch.bfloat16, "cpu", cache=cache)
+        assert not sim.prefers_word_layout(torch.bfloat16, "cuda", cache=cache)
 
 
 @pytest.mark.parametrize(("batch", "ctx", "keys"), [(64, 2048, 64), (256, 2048, 32), (250, 16896, 32), (1, 2048, 64)])
 def test_attention_shape_by_keys_per_program(monkeypatch: pytest.MonkeyPatch, batch: int, ctx: int, keys: int) -> None:
-    """Programs that stream 2K keys or more take the long shape (one warp, 32 keys), the rest 64 keys / 2 warps: on
-    an H200 at B=64 / 2K (2 splits of ~1K keys) the short one, at B=256 / 2K (one split) and B=250 / 16K the long."""
+    """Programs that stream 2K keys or more take the long shape (one warp, 32 keys), the rest 64 keys / 2 warps (the
+    default KernelOptions): on an H200 at B=64 / 2K (2 splits of ~1K keys) the short one, at B=256 / 2K (one split)
+    and B=250 / 16K the long; with no long shape, the one shape everywhere."""
     from trace_lightning.kernels import kv as kv_kernels
 
     monkeypatch.setattr(kv_kernels, "sm_count", lambda device: 132)
-    monkeypatch.setattr(kv_kernels, "ATTN_BLOCK_S", 64)
-    monkeypatch.setattr(kv_kernels, "ATTN_PROGRAMS_PER_SM", 4)
-    monkeypatch.setattr(kv_kernels, "ATTN_LONG_SHAPE", (32, 1, 3))
     S = ctx + 1
     splits = kv_kernels.attention_splits(batch * 4, S, 64, torch.device("cuda"))
     split_len = math.ceil(math.ceil(S / splits) / 64) * 64
-    assert kv_kernels.attention_shape(split_len)[0] == keys
-    monkeypatch.setattr(kv_kernels, "ATTN_LONG_SHAPE", None)  # TRACE_LIGHTNING_ATTN_SHAPE set: one shape
-    assert kv_kernels.attention_shape(split_len)[0] == 64
+    shape = kv_kernels.attention_shape(split_len)
+    assert (shape.keys, shape.warps, shape.stages) == ((64, 2, 3) if keys == 64 else (32, 1, 3))
+    one_shape = kernels.AttentionLaunch(128, 4, 2)
+    with kernels.kernel_options(kernels.KernelOptions(attention=one_shape, attention_long=None)):
+        assert kv_kernels.attention_shape(split_len) == one_shape

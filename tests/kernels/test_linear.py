@@ -41,11 +41,14 @@ def test_fp4_linear_global_shapes(device: str) -> None:
         assert rel_err(kernels.fp4_linear(x, q), sim.fp4_linear(x, q)) < 1e-6
 
 
-@pytest.mark.parametrize("swap", ["0", "1"])
-def test_fp4_linear_both_operand_orders(device: str, swap: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRACE_LIGHTNING_SWAP_AB", swap)  # 1: out^T = w @ x^T (default), 0: x @ w^T
+@pytest.mark.parametrize("rows", [20, 96])
+def test_fp4_linear_both_operand_orders(device: str, rows: int) -> None:
+    """Up to SWAP_MAX_ROWS rows out^T = w @ x^T (decode), above x @ w^T (prefill)."""
+    from trace_lightning.kernels.linear import SWAP_MAX_ROWS
+
+    assert (rows <= SWAP_MAX_ROWS) == (rows == 20)
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(20, 256, generator=gen).to(device)
+    x = torch.randn(rows, 256, generator=gen).to(device)
     w = quantize_weight(torch.randn(70, 256, generator=gen).to(device))
     ref = sim.fp4_linear(x, w, out_dtype=torch.float32)
     assert rel_err(kernels.fp4_linear(x, w), ref) < 1e-6
@@ -53,16 +56,16 @@ def test_fp4_linear_both_operand_orders(device: str, swap: str, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("layout", ["stored", "words", "tiles"])
-@pytest.mark.parametrize("fast", ["0", "1"])
-def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, layout: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, dtype: torch.dtype, layout: str) -> None:
     """Identity activations pull each dequantized weight out of the GEMM unchanged (one product per output, fp32
     accumulation), so the kernel's dequantization must equal code * scale * global bit for bit: all 256 packed
     bytes, every finite non-negative E4M3 scale byte (subnormals and zero included), bf16 operands (the packed
-    bf16x2 PTX path on CUDA; TRACE_LIGHTNING_FAST_DEQUANT=0 and the interpreter take the portable one), with
-    the weight in stored order, in the kernels' word layout (its own PTX decoder on CUDA) or also in their tiles
-    (read in tiles by every path; M = 64 takes half a tile per K step)."""
-    monkeypatch.setenv("TRACE_LIGHTNING_FAST_DEQUANT", fast)
+    bf16x2 PTX path on CUDA) and fp16 ones (the portable path, which the interpreter takes for both), with the
+    weight in stored order, in the kernels' word layout (its own PTX decoder on CUDA) or also in their tiles (read
+    in tiles by every path; M = 64 takes half a tile per K step)."""
+    if dtype == torch.float16 and device == "cpu":
+        pytest.skip("the interpreter reads bf16 through the portable path already")
     from trace_lightning.quant import NVFP4, decode_e2m1, unpack_fp4
     from trace_lightning.quant.words import WordNVFP4
 
@@ -77,7 +80,7 @@ def test_fp4_linear_reads_every_byte_and_scale_exactly(device: str, fast: str, l
         w = WordNVFP4.from_stored(w, tiled=layout == "tiles")
     codes = decode_e2m1(unpack_fp4(packed)).unflatten(-1, (-1, 16))
     expected = ((codes * scale_bytes.view(torch.float8_e4m3fn).float().unsqueeze(-1)).flatten(-2) * g).T  # [K, N]
-    eye = torch.eye(K, dtype=torch.bfloat16, device=device)
+    eye = torch.eye(K, dtype=dtype, device=device)
     for m0 in range(0, K, 64):  # M <= 64: the swapped (decode) operand order
         out = kernels.fp4_linear(eye[m0:m0 + 64], w, out_dtype=torch.float32)
         torch.testing.assert_close(out.cpu(), expected[m0:m0 + 64], rtol=0, atol=0)

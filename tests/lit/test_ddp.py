@@ -36,7 +36,7 @@ from trace_lightning.lit.policy import PolicyModule
 from trace_lightning.rl.losses import AGG_MODES, agg_loss
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 2  # a supervised step at lr 0 (weights stay), then an RL step from the same weights
+STEPS = 2  # a supervised step and an RL step at FROZEN_LR (the weights stay), then an evaluation
 U = 2.0**-24  # fp32 unit roundoff
 TOL = 128 * U
 """Both runs compute the same sums in another order (rows split across ranks, GEMMs of other shapes, the
@@ -45,6 +45,9 @@ gamma_n) and is typically sqrt(n)*u; every sum on the path is over at most n = 1
 8 rows x <= 12 tokens), so n*u = 128u ~ 7.6e-6 bounds the relative difference of the loss, of the gradient
 (in global norm) and of token-mean metrics. Measured: ~3u. The bugs this guards against are far above it:
 a per-rank token mean instead of the global one is off by ~1e-3 here, unsharded seeds change the samples."""
+FROZEN_LR = 1e-30
+"""A learning rate that leaves the weights bit-identical: AdamW moves a weight by at most about lr, far below half
+an ulp of any weight above ~1e-22 (the runs check their engines' FP4 checksums are the same at the end)."""
 MISMATCH = ("mismatch/k3_kl", "mismatch/logprob_abs_diff", "mismatch/prob_abs_diff", "mismatch/token_mult_prob_error",
             "mismatch/is_ratio_min", "mismatch/is_ratio_mean", "mismatch/is_ratio_max", "mismatch/ess")
 TIMING = ("rollout/tokens_per_s", "rollout/seconds", "sync/ms", "guidance/capture_ms")
@@ -116,7 +119,8 @@ class StepProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: Any) -> None:
         logged = trainer.loggers[0].steps if trainer.is_global_zero else None
-        torch.save({"steps": self.steps, "logged": logged}, self.out / f"rank{trainer.global_rank}.pt")
+        record = {"steps": self.steps, "logged": logged, "engine": module.worker.weight_checksums()}
+        torch.save(record, self.out / f"rank{trainer.global_rank}.pt")
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
@@ -179,10 +183,10 @@ def _warm_start(path: Path) -> str:
 
 
 def _fit(out: Path, devices: int, init_from: str, method: str = "trace_compact") -> None:
-    """A supervised step and an RL step at lr 0 (their losses and gradients compared; the weights stay, so the
-    ranks' engines and the one-rank engine still hold the same weights), then an evaluation."""
+    """A supervised step and an RL step at FROZEN_LR (their losses and gradients compared; the weights stay, so
+    the ranks' engines and the one-rank engine still hold the same weights), then an evaluation."""
     trainer = _trainer(devices, STEPS, [StepProbe(out)], logger=MemoryLogger(), validate=True)
-    module = _module(warmup_steps=1, warmup_lr=0.0, lr=0.0, init_from=init_from, method=method)
+    module = _module(warmup_steps=1, warmup_lr=FROZEN_LR, lr=FROZEN_LR, init_from=init_from, method=method)
     trainer.fit(module, datamodule=_data())
 
 
@@ -192,7 +196,7 @@ def _fsdp_rank(rank: int, out: Path, init_from: str, method: str, port: int) -> 
                       RANK=str(rank), LOCAL_RANK=str(rank))
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     trainer = _trainer(2, STEPS, [StepProbe(out)], logger=MemoryLogger(), strategy=strategy, validate=True)
-    module = _module(warmup_steps=1, warmup_lr=0.0, lr=0.0, init_from=init_from, method=method)
+    module = _module(warmup_steps=1, warmup_lr=FROZEN_LR, lr=FROZEN_LR, init_from=init_from, method=method)
     trainer.fit(module, datamodule=_data())
 
 
@@ -304,7 +308,7 @@ def test_two_process_fit_of_the_sim_config(tmp_path: Path) -> None:
     """`trace-rl fit` of conf/sim.yaml on two gloo ranks: one event file (rank 0), finite metrics, eval gathered."""
     args = ["--config", str(ROOT / "conf/sim.yaml"), "--config", str(ROOT / "conf/ddp.yaml"),
             "--trainer.max_steps", "3", "--model.warmup_steps", "1", "--trainer.val_check_interval", "3",
-            "--trainer.log_every_n_steps", "1", "--trainer.enable_checkpointing", "false",
+            "--trainer.log_every_n_steps", "1",
             "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
             "--model.rollout.prompts_per_step", "4", "--model.rollout.group_size", "4",
             "--data.demo_batch_size", "8", "--data.eval_size", "8"]
@@ -372,12 +376,13 @@ def test_weight_audit_stops_every_rank_when_the_replicas_diverge() -> None:
     """Each rank's engine matches its own master weights, but they are not rank 0's: the audit stops the run."""
     trainer = _trainer(2, 1, [DivergeRankOne()], logger=False)
     with pytest.raises(Exception, match="differ from rank 0's"):
-        trainer.fit(_module(warmup_steps=1, warmup_lr=0.0), datamodule=_data())
+        trainer.fit(_module(warmup_steps=1, warmup_lr=FROZEN_LR), datamodule=_data())
 
 
 def test_evaluation_is_split_across_ranks_and_the_accuracy_gathered(runs: dict[str, Any]) -> None:
     """Each rank scores 8 of the 16 held-out problems (its share scores 2/8 or 3/8); the logged accuracy is over
     all 16, as on one rank."""
+    assert runs["ranks"][0]["engine"] == runs["ranks"][1]["engine"] == runs["one"]["engine"]  # same weights
     one, two = (_eval_logged(runs["one"]["logged"]), _eval_logged(runs["ranks"][0]["logged"]))
     for key in ("eval/accuracy", "eval/bf16_accuracy"):
         assert 0.0 < one[key] < 1.0, "the fixture should give a graded accuracy"

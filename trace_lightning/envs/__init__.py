@@ -2,6 +2,7 @@
 
 from trace_lightning.envs.base import ENVS, Env, Problem, make_env, register_env
 from trace_lightning.envs.coding import TASKS, CodingEnv, program_from_response
+from trace_lightning.envs.isolation import SandboxUnavailable
 from trace_lightning.envs.multiturn import Episode, GuessNumberEnv, GuessState, MultiTurnEnv, run_episode
 from trace_lightning.envs.reasoning import (
     ANSWER_FORMATS,
@@ -29,6 +30,7 @@ __all__ = [
     "Problem",
     "ReasoningGymEnv",
     "SandboxResult",
+    "SandboxUnavailable",
     "extract_answer",
     "make_env",
     "program_from_response",

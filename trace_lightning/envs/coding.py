@@ -9,7 +9,9 @@ The response is either the lambda's body on one line (" 2*x+3"; only the first l
 definition starting with "def f(x):". The verifier runs it in the sandbox (sandbox.py) on the shown
 examples plus hidden inputs, compares each result with the expected value (same type, same value) in the
 parent, and gives 1.0 only when every test passes, else 0.0. Code that loops, allocates without bound,
-imports, opens files, spawns processes or touches the network fails its tests and gets 0.
+imports, opens files, spawns processes or touches the network fails its tests and gets 0; score never raises.
+
+The env refuses to start when bubblewrap is unusable, unless isolation="none" is passed explicitly.
 
 Task families are tiny on purpose (affine maps, string and list one-liners); the shown examples are
 resampled until no other task of the same input type fits them all, so the examples identify the task.
@@ -17,13 +19,17 @@ resampled until no other task of the same input type fits them all, so the examp
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from trace_lightning.envs.base import Problem, register_env
+from trace_lightning.envs.isolation import require_isolation
 from trace_lightning.envs.sandbox import run_sandboxed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,12 +97,16 @@ class CodingEnv:
         hidden: int = 5,
         timeout_s: float = 2.0,
         memory_mb: int = 256,
+        isolation: str = "bwrap",
     ) -> None:
+        """isolation: "bwrap" (namespaces + seccomp, the default; the env refuses to start without a working
+        bwrap) or "none", the explicit opt-in to a weaker sandbox (rlimits and an audit hook only)."""
         unknown = set(kinds) - set(INPUTS)
         if unknown:
             raise ValueError(f"unknown input kinds {sorted(unknown)}; known: {sorted(INPUTS)}")
+        require_isolation(isolation)
         self.kinds, self.shown, self.hidden = tuple(kinds), shown, hidden
-        self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.timeout_s, self.memory_mb, self.isolation = timeout_s, memory_mb, isolation
 
     def _examples(self, task: Task, rng: random.Random) -> list[Any]:
         rivals = [t for t in TASKS if t.kind == task.kind and t != task]
@@ -122,11 +132,21 @@ class CodingEnv:
         return problems
 
     def score(self, problem: Problem, response: str) -> float:
+        """1.0 when the response passes every test, else 0.0; never raises (a reward must not end a fit)."""
+        try:
+            return self._score(problem, response)
+        except Exception as e:  # the sandbox and the parser are built never to get here
+            log.warning("coding score failed, counted as 0: %r", e)
+            return 0.0
+
+    def _score(self, problem: Problem, response: str) -> float:
         source = program_from_response(response)
         if source is None:
             return 0.0
         tests, expected = problem.metadata["tests"], problem.metadata["expected"]
-        result = run_sandboxed(source, "f", [tuple(t) for t in tests], self.timeout_s, memory_mb=self.memory_mb)
+        result = run_sandboxed(
+            source, "f", [tuple(t) for t in tests], self.timeout_s, memory_mb=self.memory_mb, isolation=self.isolation
+        )
         if result.status != "ok" or len(result.outputs) != len(expected):
             return 0.0
         passed = all(

@@ -11,7 +11,7 @@ from trace_lightning.guidance.compaction import (
     select_layers,
 )
 from trace_lightning.guidance.hook import FakeQuantHook, GuidedHook, NonFiniteActivationError, SiteAgreement
-from trace_lightning.guidance.record import BatchRecord, QuantRecord, SiteRecord, collate_records
+from trace_lightning.guidance.record import BatchRecord, ModelIdentity, QuantRecord, SiteRecord, collate_records
 from trace_lightning.guidance.store import RecordError, RecordExchange, load_record, save_record
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "FakeQuantHook",
     "GuidedHook",
     "LayerPolicy",
+    "ModelIdentity",
     "NonFiniteActivationError",
     "QuantRecord",
     "RecordError",

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from trace_lightning.guidance.record import BatchRecord, format_name
 from trace_lightning.model import QuantHook
-from trace_lightning.quant import BlockFP4, FP4Format, fake_quantize, parse_format, quantize_nvfp4, tensor_global_scale
+from trace_lightning.quant import FP4Format, fake_quantize, parse_format, quantize_weight
 from trace_lightning.quant.guided import check_guidance_mode
 
 
@@ -52,19 +52,6 @@ class SiteAgreement:
     @property
     def value_agreement(self) -> float:
         return self.value_equal / max(self.elements, 1)
-
-
-def quantize_weight(w: Tensor, fmt: FP4Format | str) -> BlockFP4:
-    """FP4 of a weight [N, K] or stacked experts [E, N, K]: one NVFP4 global scale per matrix (per expert).
-
-    The rollout converter's quantizer; FP4Format.for_weights().quantize gives stacked experts a global scale
-    of shape [E, 1], which does not broadcast over [E, N, K], so the per-expert scale is shaped here.
-    """
-    fmt = parse_format(fmt).for_weights()
-    if fmt.kind == "mxfp4" or w.dim() < 3:
-        return fmt.quantize(w)
-    g = tensor_global_scale(w, dims=2)
-    return quantize_nvfp4(w, g.reshape(*w.shape[:-2], 1, 1))
 
 
 def _expand_mask(mask: Tensor, x: Tensor) -> Tensor:

@@ -10,8 +10,10 @@ stacks records into (B, T, ...) for a training minibatch and marks which positio
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -110,6 +112,24 @@ class SiteRecord:
         if self.global_scale is not None and tuple(self.global_scale.shape) != (*rows, 1):
             raise ValueError(f"{what}: global scales of shape {tuple(self.global_scale.shape)}, expected {(*rows, 1)}")
 
+    def check_scale_values(self, fmt: FP4Format, what: str) -> None:
+        """Raise ValueError on a scale no quantizer writes: NVFP4 block scales are positive finite E4M3
+        (clamped to >= 2^-6), row global scales positive finite (floored at 2^-120), E8M0 has no NaN (0xFF)."""
+        if fmt.kind == "mxfp4":
+            bad = self.scale_bytes == 0xFF
+            kind = "NaN (0xFF) E8M0 block scale"
+        else:
+            scales = self.scale_bytes.view(torch.float8_e4m3fn).float()
+            bad = ~(torch.isfinite(scales) & (scales > 0))
+            kind = "NaN, zero or negative E4M3 block scale"
+        if bool(bad.any()):
+            raise ValueError(f"{what}: {int(bad.sum())} {kind}(s), first at index {_first(bad)}")
+        g = self.global_scale
+        if g is not None and not bool((torch.isfinite(g) & (g > 0)).all()):
+            bad = ~(torch.isfinite(g) & (g > 0))
+            raise ValueError(f"{what}: {int(bad.sum())} NaN, infinite, zero or negative row global scale(s), "
+                             f"first at index {_first(bad)} ({float(g[bad][0])})")
+
     def ref(self, fmt: FP4Format, mode: str) -> BlockFP4:
         """The rollout's tensor for guided rounding; for parity records, codes whose bit 0 is the parity."""
         packed = self.payload if mode == "full" else pack_fp4(unpack_bits(self.payload))
@@ -140,6 +160,9 @@ class QuantRecord:
     """"full" (4-bit codes) or "parity" (1 mantissa bit per element)."""
     fmt: FP4Format
     """Activation format of every recorded site (NVFP4 with row or no global scale, or MXFP4 with its mode)."""
+    model_id: str = ""
+    """``weights_fingerprint`` of the weights that generated the sequence ("" when unknown, which a consumer
+    that expects a model refuses)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -154,19 +177,26 @@ class QuantRecord:
         return sorted({layer for layer, _ in self.sites})
 
     def validate(self) -> None:
-        """Raise ValueError if any tensor is inconsistent with the others (never keep a half-valid record)."""
+        """Raise ValueError if any tensor is inconsistent with the others or holds a value no rollout produces
+        (never keep a half-valid record: a NaN scale or a duplicate expert would change the loss silently)."""
         check_guidance_mode(self.mode)
         if self.routes.dim() != 3 or self.routes.dtype not in (torch.uint8, torch.int16):
             raise ValueError(f"routes must be uint8/int16 [L, T, top_k], got {self.routes.dtype} "
                              f"{tuple(self.routes.shape)}")
+        if self.length == 0 or self.routes.shape[0] == 0 or self.routes.shape[2] == 0:
+            raise ValueError(f"empty record: routes of shape {tuple(self.routes.shape)} ([L, T, top_k] must all "
+                             "be >= 1)")
+        check_route_values(self.routes)
         for (layer, site), rec in self.sites.items():
             if not 0 <= layer < self.routes.shape[0]:
                 raise ValueError(f"layer {layer} (site {site}) is outside the {self.routes.shape[0]} routed layers")
-            rec.check(self.fmt, self.mode, (self.length,), f"layer {layer} site {site}")
+            what = f"layer {layer} site {site}"
+            rec.check(self.fmt, self.mode, (self.length,), what)
+            rec.check_scale_values(self.fmt, what)
 
     @classmethod
     def from_captures(cls, captures: Mapping[SiteKey, BlockFP4], routes: Tensor, policy_version: int,
-                      mode: str = "full", layers: Iterable[int] | None = None) -> QuantRecord:
+                      mode: str = "full", layers: Iterable[int] | None = None, model_id: str = "") -> QuantRecord:
         """Build from the rollout's per-sequence captures {(layer, site): BlockFP4 [T, ...]} and routes [L, T, k].
 
         `layers` keeps only those layers (None: every captured layer); asking for an uncaptured layer is an
@@ -188,7 +218,7 @@ class QuantRecord:
                 raise ValueError(f"layer {key[0]} site {key[1]}: global scale must be per row, "
                                  f"got shape {tuple(q.global_scale.shape)}")
         sites = {key: SiteRecord.from_blocks(q, mode) for key, q in sorted(selected.items())}
-        return cls(sites, compact_routes(routes), int(policy_version), mode, fmt)
+        return cls(sites, compact_routes(routes), int(policy_version), mode, fmt, model_id)
 
     def ref(self, layer: int, site: str) -> BlockFP4:
         """The rollout's BlockFP4 [T, ...] at (layer, site), usable by guided_quantize in this record's mode."""
@@ -225,7 +255,7 @@ class QuantRecord:
         keep = None if layers is None else set(layers)
         sites = {k: (r.to_parity() if mode != self.mode else r) for k, r in self.sites.items()
                  if keep is None or k[0] in keep}
-        return QuantRecord(sites, self.routes, self.policy_version, mode, self.fmt)
+        return QuantRecord(sites, self.routes, self.policy_version, mode, self.fmt, self.model_id)
 
 
 def compact_routes(routes: Tensor) -> Tensor:
@@ -238,6 +268,79 @@ def compact_routes(routes: Tensor) -> Tensor:
     if low < 0 or top >= 2**15:
         raise ValueError(f"expert ids must lie in 0..32767, got {low}..{top}")
     return routes.to(torch.uint8 if top < 256 else torch.int16)
+
+
+def _first(mask: Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def check_route_values(routes: Tensor, n_experts: int | None = None) -> None:
+    """Raise ValueError on a negative or (given n_experts) out-of-range expert id, or an expert picked twice by
+    one token: training would route through an expert the rollout never used."""
+    ids = routes.long()
+    if bool((ids < 0).any()):
+        raise ValueError(f"negative expert id {int(ids.min())} in routes (layer, position, slot {_first(ids < 0)})")
+    if n_experts is not None and bool((ids >= n_experts).any()):
+        raise ValueError(f"expert id {int(ids.max())} is outside the model's {n_experts} experts (layer, "
+                         f"position, slot {_first(ids >= n_experts)})")
+    ordered = ids.sort(dim=-1).values
+    twice = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)  # (L, T)
+    if bool(twice.any()):
+        layer, pos = _first(twice)
+        raise ValueError(f"duplicate expert ids {ids[layer, pos].tolist()} at layer {layer} position {pos}")
+
+
+def tensor_digests(named: Mapping[str, Tensor]) -> dict[str, str]:
+    """{name: short digest} from three float64 reductions per tensor (sum, sum of |x|, sum of every 7th
+    element), taken with one host sync: cheap enough for every weight sync, and two checkpoints of the same
+    shape differ in it. Rounded to 7 significant digits, so a different reduction order (thread count) on the
+    rollout side does not change it."""
+    if not named:
+        return {}
+    stats = []
+    for t in named.values():
+        flat = t.detach().reshape(-1)
+        stats.append(torch.stack([flat.sum(dtype=torch.float64), flat.abs().sum(dtype=torch.float64),
+                                  flat[::7].sum(dtype=torch.float64)]).cpu())
+    values = torch.stack(stats).tolist()
+    return {name: f"{tuple(t.shape)}:" + ",".join(f"{v:.6e}" for v in row)
+            for (name, t), row in zip(named.items(), values, strict=True)}
+
+
+def weights_fingerprint(digests: Mapping[str, str]) -> str:
+    """The model identity a record carries: sha256 over every weight's name, shape and digest."""
+    h = hashlib.sha256()
+    for name in sorted(digests):
+        h.update(f"{name}={digests[name]};".encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a record must match to be used for a model: its weights and its routing shape."""
+
+    fingerprint: str
+    n_layers: int
+    n_experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, config: Any, named_weights: Mapping[str, Tensor]) -> ModelIdentity:
+        """The identity of a model config (MoEConfig) holding these weights."""
+        fingerprint = weights_fingerprint(tensor_digests(named_weights))
+        return cls(fingerprint, config.n_layers, config.n_experts, config.top_k)
+
+    def check(self, record: QuantRecord) -> None:
+        """Raise ValueError unless the record was generated by this model (same weights, layers, top-k, experts)."""
+        if record.model_id != self.fingerprint:
+            got = record.model_id[:12] or "none"
+            raise ValueError(f"record comes from another model or checkpoint (fingerprint {got}, expected "
+                             f"{self.fingerprint[:12]})")
+        n_layers, _, top_k = record.routes.shape
+        if (n_layers, top_k) != (self.n_layers, self.top_k):
+            raise ValueError(f"record routes are for {n_layers} layers with top-{top_k}, the model has "
+                             f"{self.n_layers} layers with top-{self.top_k}")
+        check_route_values(record.routes, self.n_experts)
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Records on the wire: safetensors with a checksum and the policy version, refused loudly when wrong.
 
-A record that is truncated, modified, inconsistently shaped, in another format, or from an older
-policy than the trainer expects must never steer training, so `load_record` either returns a fully
-validated QuantRecord or raises `RecordError` saying what is wrong. `RecordExchange` moves records
+A record that is truncated, modified, inconsistently shaped, in another format, from another model
+(weights fingerprint, layer count, top-k, expert range) or from an older policy than the trainer expects
+must never steer training, so `load_record` either returns a fully validated QuantRecord or raises
+`RecordError` saying what is wrong. A file is checked (regular, size, declared tensor sizes) before it
+is read, so a FIFO or /dev/zero passed as a record fails at once. `RecordExchange` moves records
 from the rollout side to the training side as bytes, so what is counted is what would cross a network.
 """
 
@@ -10,24 +12,34 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 from safetensors import SafetensorError
 from torch import Tensor
 
-from trace_lightning.guidance.record import QuantRecord, SiteRecord, format_name
+from trace_lightning.guidance.record import ModelIdentity, QuantRecord, SiteRecord, format_name
 from trace_lightning.quant import FP4Format, parse_format
 
-SCHEMA = "trace_lightning.record/1"
-_META_KEYS = ("schema", "mode", "format", "policy_version", "length", "sites")
+SCHEMA = "trace_lightning.record/2"
+_META_KEYS = ("schema", "mode", "format", "policy_version", "length", "sites", "model_id")
+MAX_RECORD_BYTES = 1 << 32
+"""Largest record file load_record reads (a sequence's full record is megabytes at most)."""
+MAX_HEADER_BYTES = 100 * 2**20
+"""Largest safetensors JSON header (safetensors' own limit)."""
+_DTYPE_BYTES = {"U8": 1, "I16": 2, "F32": 4}
+"""The dtypes a record stores (uint8 scales and payloads, int16 routes, float32 global scales)."""
 _SITE_TENSORS = ("scales", "payload", "global_scale")
 
 
 class RecordError(ValueError):
-    """A stored record is truncated, tampered with, mis-shaped, of the wrong format, or stale."""
+    """A stored record is truncated, tampered with, mis-shaped, of the wrong format or model, or stale."""
 
 
 def _tensor_bytes(t: Tensor) -> bytes:
@@ -54,6 +66,7 @@ def record_tensors(record: QuantRecord) -> tuple[dict[str, Tensor], dict[str, st
         "policy_version": str(record.policy_version),
         "length": str(record.length),
         "sites": json.dumps([[layer, site] for layer, site in record.sites]),
+        "model_id": record.model_id,
     }
     metadata["checksum"] = payload_checksum(tensors, metadata)
     return tensors, metadata
@@ -73,14 +86,58 @@ def serialized_payload_bytes(data: bytes) -> int:
     return len(data) - 8 - int.from_bytes(data[:8], "little")
 
 
-def _read(source: bytes | str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+def _read_file(path: Path, max_bytes: int) -> bytes:
+    """A regular file's bytes, checked before reading: opening never blocks (a FIFO), and a device
+    (/dev/zero) or a file over max_bytes is refused instead of read to exhaustion."""
     try:
-        data = source if isinstance(source, bytes | bytearray) else Path(source).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
-        raise RecordError(f"cannot read record {source}: {err}") from err
+        raise RecordError(f"cannot read record {path}: {err}") from err
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RecordError(f"cannot read record {path}: not a regular file")
+        if info.st_size > max_bytes:
+            raise RecordError(f"cannot read record {path}: {info.st_size} bytes exceeds the {max_bytes}-byte limit")
+        return f.read(info.st_size + 1)
+
+
+def _check_declared_sizes(data: bytes) -> dict[str, Any]:
+    """The safetensors header, after checking that it and every tensor it declares fit the bytes present."""
+    if len(data) < 8:
+        raise RecordError(f"truncated record: {len(data)} bytes, no safetensors header")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise RecordError(f"truncated or unreadable record: header of {n} bytes declared, {len(data) - 8} present")
     try:
-        tensors = safetensors.torch.load(bytes(data))
-        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as err:
+        raise RecordError(f"unreadable record header: {err}") from err
+    if not isinstance(header, dict):
+        raise RecordError("unreadable record header: not a JSON object")
+    payload = len(data) - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            size = _DTYPE_BYTES[entry["dtype"]] * math.prod(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise RecordError(f"wrong format: tensor {name!r} declares dtype/shape/offsets {entry!r}") from err
+        if any(int(d) < 0 for d in entry["shape"]) or not 0 <= begin <= end <= payload or end - begin != size:
+            raise RecordError(f"truncated or unreadable record: tensor {name!r} declares {size} bytes at "
+                              f"{begin}..{end}, the record holds {payload}")
+    return header
+
+
+def _read(source: bytes | str | Path,
+          max_bytes: int = MAX_RECORD_BYTES) -> tuple[dict[str, Tensor], dict[str, str]]:
+    data = bytes(source) if isinstance(source, bytes | bytearray) else _read_file(Path(source), max_bytes)
+    if len(data) > max_bytes:
+        raise RecordError(f"record of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    header = _check_declared_sizes(data)
+    try:
+        tensors = safetensors.torch.load(data)
     except (SafetensorError, ValueError) as err:
         raise RecordError(f"truncated or unreadable record ({len(data)} bytes): {err}") from err
     metadata = header.get("__metadata__") or {}
@@ -111,7 +168,7 @@ def _build(tensors: dict[str, Tensor], metadata: dict[str, str]) -> QuantRecord:
             prefix = f"{layer}.{site}."
             sites[(layer, site)] = SiteRecord(tensors[prefix + "scales"], tensors[prefix + "payload"],
                                               tensors.get(prefix + "global_scale"))
-        record = QuantRecord(sites, tensors["routes"], version, metadata["mode"], fmt)
+        record = QuantRecord(sites, tensors["routes"], version, metadata["mode"], fmt, metadata["model_id"])
     except (KeyError, ValueError) as err:
         raise RecordError(f"mis-shaped record: {err}") from err
     if record.length != length:
@@ -120,13 +177,21 @@ def _build(tensors: dict[str, Tensor], metadata: dict[str, str]) -> QuantRecord:
 
 
 def load_record(source: bytes | str | Path, *, expected_version: int | None = None,
-                fmt: FP4Format | str | None = None, mode: str | None = None) -> QuantRecord:
+                fmt: FP4Format | str | None = None, mode: str | None = None, model: ModelIdentity | None = None,
+                max_bytes: int = MAX_RECORD_BYTES) -> QuantRecord:
     """Load and validate a record; raise RecordError rather than return anything half-valid.
 
     expected_version: the oldest policy version the caller accepts (older records are stale).
     fmt / mode: the activation format and guidance mode the caller will use the record with.
+    model: the model the caller will use the record with (weights fingerprint, layers, top-k, experts).
+    max_bytes: larger files are refused unread.
     """
-    record = _build(*_read(source))
+    record = _build(*_read(source, max_bytes))
+    if model is not None:
+        try:
+            model.check(record)
+        except ValueError as err:
+            raise RecordError(f"wrong model: {err}") from err
     if fmt is not None and record.fmt != (want := parse_format(fmt)):
         raise RecordError(f"wrong format: record is {format_name(record.fmt)}, expected {format_name(want)}")
     if mode is not None and record.mode != mode:
@@ -167,14 +232,14 @@ class RecordExchange:
         return ticket
 
     def receive(self, ticket: int, *, expected_version: int | None = None, fmt: FP4Format | str | None = None,
-                mode: str | None = None) -> list[QuantRecord]:
+                mode: str | None = None, model: ModelIdentity | None = None) -> list[QuantRecord]:
         """Load a sent batch (all validated, or RecordError for the whole batch); a ticket is received once."""
         if ticket not in self._pending:
             raise KeyError(f"no pending records for ticket {ticket}")
         start = time.perf_counter()
         blobs = self._pending.pop(ticket)
         try:
-            return [load_record(b, expected_version=expected_version, fmt=fmt, mode=mode) for b in blobs]
+            return [load_record(b, expected_version=expected_version, fmt=fmt, mode=mode, model=model) for b in blobs]
         finally:
             self.ms += 1000 * (time.perf_counter() - start)
 

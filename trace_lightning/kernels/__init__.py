@@ -1,9 +1,11 @@
 """Triton FP4 kernels; every op has a CPU twin in trace_lightning.sim with the same signature.
 
 These functions always launch their kernel (on CPU tensors only under TRITON_INTERPRET=1); choosing
-Triton or the sim is trace_lightning.ops.backend_for's job alone.
+Triton or the sim is trace_lightning.ops.backend_for's job alone. How they launch (autotuning, launch shapes,
+programmatic dependent launch) is a KernelOptions, set for a block of calls with `kernel_options(...)`.
 """
 
+from trace_lightning.kernels._common import AttentionLaunch, GemmLaunch, KernelOptions, QuantizeLaunch, kernel_options
 from trace_lightning.kernels.kv import fp4_kv_attention, kv_append
 from trace_lightning.kernels.layout import prefers_value_tiles, prefers_word_layout, prepare_weight
 from trace_lightning.kernels.linear import fp4_linear
@@ -20,10 +22,15 @@ from trace_lightning.kernels.rope import rope
 from trace_lightning.kernels.router import route_topk
 
 __all__ = [
+    "AttentionLaunch",
+    "GemmLaunch",
+    "KernelOptions",
+    "QuantizeLaunch",
     "fake_quantize_nvfp4_rows",
     "fp4_kv_attention",
     "fp4_linear",
     "fp4_moe",
+    "kernel_options",
     "kv_append",
     "pack_parity",
     "prefers_value_tiles",

@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from trace_lightning.quant.words import TILE_BYTES, TILE_ROWS
 
 
 @triton.jit
 def await_previous_grid(PDL: tl.constexpr):
-    """With programmatic dependent launch (`_common.grid_dependency`, PDL 1 or 2): wait until the previous kernel in
-    the stream has finished and its writes are visible. Every kernel calls this before its first load or store, so
-    a kernel started early never reads inputs, or overwrites buffers, that the one before it is still using. PDL 1
-    then lets the next kernel launch at once (its programs are scheduled while this kernel's last ones run); PDL 2
-    leaves that to each program's exit. A no-op with PDL 0 (and under the CPU interpreter, which never sets it)."""
-    if PDL != 0:
+    """With programmatic dependent launch (`_common.grid_dependency`): wait until the previous kernel in the stream
+    has finished and its writes are visible. Every kernel calls this before its first load or store, so a kernel
+    started early never reads inputs, or overwrites buffers, that the one before it is still using; the next kernel
+    may launch as this one's programs exit. A no-op without PDL (and under the CPU interpreter, which never sets it)."""
+    if PDL:
         gdc_wait()
-    if PDL == 1:
-        gdc_launch_dependents()
 
 
 @triton.jit

@@ -13,7 +13,6 @@ had to be transposed through shared memory, which bounded the loop (H200, B=250 
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +21,8 @@ import triton.language as tl
 from torch import Tensor
 
 from trace_lightning.kernels._common import (
+    AttentionLaunch,
+    active_options,
     autotune_on,
     dot_precision,
     fast_dequant,
@@ -84,14 +85,14 @@ def _write_value_tiles(c_packed, c_scales, packed, byte, dest, ok, DH: tl.conste
 
 @triton.jit
 def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, rows, dest, R,
-                DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
+                DH: tl.constexpr, WORDS: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_D: tl.constexpr, TILES: tl.constexpr = False):
     cols = tl.arange(0, BLOCK_D)
     x = tl.load(x_ptr + rows[:, None] * DH + cols[None, :], mask=(rows[:, None] < R) & (cols[None, :] < DH),
                 other=0.0).to(tl.float32)
-    g = row_global_from_bits(abs_bits_max(x, 1), RECIP)
+    g = row_global_from_bits(abs_bits_max(x, 1))
     inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
-    packed, byte = nvfp4_tile(x, g, inv_g, True, RECIP, BLOCK_R, BLOCK_D)
+    packed, byte = nvfp4_tile(x, g, inv_g, True, BLOCK_R, BLOCK_D)
     half = tl.arange(0, BLOCK_D // 2)
     nb = tl.arange(0, BLOCK_D // 16)
     ok = rows < R
@@ -116,8 +117,8 @@ def _append_one(x_ptr, packed_ptr, scales_ptr, g_ptr, c_packed, c_scales, c_g, r
 
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg, cvp, cvs, cvg,
-                   R, T, H, S, DH: tl.constexpr, RECIP: tl.constexpr, WORDS: tl.constexpr, TILES: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
+                   R, T, H, S, DH: tl.constexpr, WORDS: tl.constexpr, TILES: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = (b * T + t) * H + h
     h = rows % H
@@ -125,8 +126,8 @@ def _append_kernel(k_ptr, v_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, ckp, cks, ckg,
     b = bt // T
     pos = tl.load(pos_ptr + bt, mask=rows < R, other=-1)
     dest = tl.where(pos >= 0, (b * H + h).to(tl.int64) * S + pos, -1)  # cache row (b, h, pos)
-    _append_one(k_ptr, kp, ks, kg, ckp, cks, ckg, rows, dest, R, DH, RECIP, WORDS, BLOCK_R, BLOCK_D)
-    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, RECIP, WORDS, BLOCK_R, BLOCK_D, TILES)
+    _append_one(k_ptr, kp, ks, kg, ckp, cks, ckg, rows, dest, R, DH, WORDS, BLOCK_R, BLOCK_D)
+    _append_one(v_ptr, vp, vs, vg, cvp, cvs, cvg, rows, dest, R, DH, WORDS, BLOCK_R, BLOCK_D, TILES)
 
 
 def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tuple[NVFP4, NVFP4]:
@@ -149,7 +150,7 @@ def kv_append(layer: FP4KVLayer, k: Tensor, v: Tensor, positions: Tensor) -> tup
         k.contiguous(), v.contiguous(), positions.to(torch.int64).contiguous(), *outs[0], *outs[1],
         layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
         layer.v_packed, scale_bytes(layer.v_scales), layer.v_global,
-        R, T, Hkv, S, Dh, dev.type == "cuda", layer.words, layer.value_tiles, block_r, block_d, num_warps=4,
+        R, T, Hkv, S, Dh, layer.words, layer.value_tiles, block_r, block_d, num_warps=4,
         **grid_dependency(dev))
     return tuple(NVFP4(p, s.view(torch.float8_e4m3fn), g) for p, s, g in outs)  # type: ignore[return-value]
 
@@ -230,10 +231,15 @@ def value_tile_dims(DH: tl.constexpr):
 @triton.jit
 def _attend_block(q, m_i, l_i, acc, s0, hi, base, sm_scale, kp, ks, kg, vp, vs, vg, DH: tl.constexpr,
                   BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
-                  WORDS: tl.constexpr, SWAP: tl.constexpr, TILES: tl.constexpr, MASKED: tl.constexpr):
+                  WORDS: tl.constexpr, TILES: tl.constexpr, MASKED: tl.constexpr):
     """One online-softmax step over keys s0 .. s0 + BLOCK_S of the head whose cache rows start at base: (m, l, acc).
     MASKED: keys from hi on are left out (the last, partial block); otherwise every key is in range, and the
-    block's loads and scores carry no masks (the loop's predicates and selects cost ~8% of its instructions)."""
+    block's loads and scores carry no masks (the loop's predicates and selects cost ~8% of its instructions).
+
+    Keys are on the MMA's M side: scores^T = K q^T and out^T = V^T p^T. The dequantized key tile is then the register
+    A operand and the G query heads of a kv head are the N side, which mma's n8 tiles take unpadded (G = 8: the
+    q K^T form padded M to 16 rows, half its MMAs wasted, and was removed); sm_90 SASS of the 64-key loop, 2 warps:
+    1351 -> 1065 instructions per thread, 207 -> 159 registers (tools/sass_report.py)."""
     js = s0 + tl.arange(0, BLOCK_S)
     valid = js < hi if MASKED else tl.full((BLOCK_S,), True, tl.int1)
     rows = base + js
@@ -241,10 +247,7 @@ def _attend_block(q, m_i, l_i, acc, s0, hi, base, sm_scale, kp, ks, kg, vp, vs, 
                       load_scales(ks, rows, DH // 16, 0, valid, DH, True),
                       BLOCK_S, DH, DTYPE, FAST, WORDS)
     gk = unscale(tl.load(kg + rows, mask=valid, other=0.0), FAST)
-    if SWAP:  # keys on the MMA's M side (ATTN_SWAP)
-        scores = tl.trans(tl.dot(kt, tl.trans(q), input_precision=PREC))
-    else:
-        scores = tl.dot(q, tl.trans(kt), input_precision=PREC)
+    scores = tl.trans(tl.dot(kt, tl.trans(q), input_precision=PREC))
     scores = scores * (gk * sm_scale)[None, :]
     if MASKED:
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -261,10 +264,7 @@ def _attend_block(q, m_i, l_i, acc, s0, hi, base, sm_scale, kp, ks, kg, vp, vs, 
         vt = dequant_tile(load_packed(vp, rows, DH // 2, 0, valid, DH, WORDS),
                           load_scales(vs, rows, DH // 16, 0, valid, DH, True),
                           BLOCK_S, DH, DTYPE, FAST, WORDS)
-        if SWAP:
-            acc = tl.trans(tl.dot(tl.trans(vt), tl.trans(pv), tl.trans(acc * alpha[:, None]), input_precision=PREC))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pv, vt, input_precision=PREC)
+        acc = tl.trans(tl.dot(tl.trans(vt), tl.trans(pv), tl.trans(acc * alpha[:, None]), input_precision=PREC))
     return m_new, l_i, acc
 
 
@@ -272,8 +272,8 @@ def _attend_block(q, m_i, l_i, acc, s0, hi, base, sm_scale, kp, ks, kg, vp, vs, 
 def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_ptr, sm_scale,
                        T, H, S, SPLIT_LEN, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
                        BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
-                       FAST: tl.constexpr, WORDS: tl.constexpr, SWAP: tl.constexpr, TILES: tl.constexpr = False,
-                       PDL: tl.constexpr = 0):
+                       FAST: tl.constexpr, WORDS: tl.constexpr, TILES: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     bht, split = tl.program_id(0), tl.program_id(1)  # bht = (b * H + h) * T + t
     t = bht % T
@@ -295,10 +295,10 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
     full_end = lo + (hi - lo) // BLOCK_S * BLOCK_S  # whole key blocks, then at most one partial block
     for s0 in range(lo, full_end, BLOCK_S):
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, s0, hi, base, sm_scale, kp, ks, kg, vp, vs, vg, DH, BLOCK_S,
-                                      DTYPE, PREC, FAST, WORDS, SWAP, TILES, False)
+                                      DTYPE, PREC, FAST, WORDS, TILES, False)
     if full_end < hi:
         m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, full_end, hi, base, sm_scale, kp, ks, kg, vp, vs, vg, DH,
-                                      BLOCK_S, DTYPE, PREC, FAST, WORDS, SWAP, TILES, True)
+                                      BLOCK_S, DTYPE, PREC, FAST, WORDS, TILES, True)
     part = (bht * NUM_SPLITS + split) * G + gi
     if TILES:
         d = value_tile_dims(DH)
@@ -309,7 +309,7 @@ def _attn_split_kernel(q_ptr, pos_ptr, kp, ks, kg, vp, vs, vg, o_ptr, m_ptr, l_p
 
 @triton.jit
 def _attn_merge_kernel(o_ptr, m_ptr, l_ptr, out_ptr, T, H, NUM_SPLITS, G: tl.constexpr, DH: tl.constexpr,
-                       BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr = 0):
+                       BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     bht, g = tl.program_id(0), tl.program_id(1)
     sp = tl.arange(0, BLOCK_SPLITS)
@@ -337,36 +337,24 @@ _ATTN = tuned(_attn_split_kernel, [
 ], key=["T", "H", "S", "SPLIT_LEN", "NUM_SPLITS", "G", "DH"])
 
 
-# Decode-attention launch shape (keys per iteration, warps, pipeline stages, programs per SM for the split count).
-# tools/sweep_attention.py on an H200, keys-on-M form, 48 shapes: 64 keys / 2 warps / 3 stages / 4 per SM is the best
-# at B=64 / 2K context (62 us); programs streaming 2K keys or more (B=256 / 2K: one split; B=250 / 16K) do better
-# with one warp of 32 keys and 3 stages (220 -> 199 us, 1629 -> 1425 us: no cross-warp step in the softmax
-# reductions), so those take ATTN_LONG_SHAPE. TRACE_LIGHTNING_ATTN_SHAPE (keys,warps,stages,per-SM) fixes one shape.
-ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES, ATTN_PROGRAMS_PER_SM = (
-    int(v) for v in os.environ.get("TRACE_LIGHTNING_ATTN_SHAPE", "64,2,3,4").split(","))
-ATTN_LONG_SHAPE: tuple[int, int, int] | None = None if "TRACE_LIGHTNING_ATTN_SHAPE" in os.environ else (32, 1, 3)
-ATTN_LONG_KEYS = 2048  # keys per program from which ATTN_LONG_SHAPE is used
-# Keys on the MMA's M side: scores^T = K q^T and out^T = V^T p^T (TRACE_LIGHTNING_ATTN_SWAP=0 for q K^T, p V). The
-# dequantized key tile is then the register A operand and the G query heads of a kv head are the N side, which
-# mma's n8 tiles take unpadded (G = 8: the q-side form pads M to 16 rows, half its MMAs wasted); sm_90 SASS of the
-# 64-key loop, 2 warps: 1351 -> 1065 instructions per thread, 207 -> 159 registers (tools/sass_report.py).
-ATTN_SWAP = os.environ.get("TRACE_LIGHTNING_ATTN_SWAP", "1") != "0"
+ATTN_LONG_KEYS = 2048  # keys per program from which KernelOptions.attention_long is used
 
 
 def attention_splits(work: int, S: int, block_s: int, device: torch.device) -> int:
     """Splits of the key range for (B * Hkv * T) = `work` rows: the fewest that minimise rounds x (key blocks
-    per program + 1), where a round is one wave of ATTN_PROGRAMS_PER_SM programs per SM (the kernel's
-    occupancy) and the + 1 is a program's fixed cost (q load, partial store, merge row). Filling the chip
+    per program + 1), where a round is one wave of KernelOptions.attention_programs_per_sm programs per SM (the
+    kernel's occupancy) and the + 1 is a program's fixed cost (q load, partial store, merge row). Filling the chip
     without a partial last wave matters: at B = 64 / 2K context, 3 splits gave 768 programs = 1.45 waves
     (ncu), so a second round of 11 blocks each; 2 splits is one round of 17."""
-    return _best_splits(work, triton.cdiv(S, block_s), ATTN_PROGRAMS_PER_SM * sm_count(device))
+    return _best_splits(work, triton.cdiv(S, block_s), active_options().attention_programs_per_sm * sm_count(device))
 
 
-def attention_shape(split_len: int) -> tuple[int, int, int]:
-    """(keys per iteration, warps, stages) for programs that each stream up to split_len keys."""
-    if ATTN_LONG_SHAPE is not None and split_len >= ATTN_LONG_KEYS:
-        return ATTN_LONG_SHAPE
-    return ATTN_BLOCK_S, ATTN_WARPS, ATTN_STAGES
+def attention_shape(split_len: int) -> AttentionLaunch:
+    """The launch shape (KernelOptions) for programs that each stream up to split_len keys."""
+    options = active_options()
+    if options.attention_long is not None and split_len >= ATTN_LONG_KEYS:
+        return options.attention_long
+    return options.attention
 
 
 @functools.lru_cache(maxsize=256)
@@ -393,11 +381,11 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
     if layer.words and not fast:  # only the fast decoder reads words: exact stored-order keys (and values) for the rest
         layer = layer.stored_keys() if layer.value_tiles else layer.stored_order()
     tune = autotune_on(q.device)
-    unit = 128 if tune else ATTN_BLOCK_S  # whole (autotuned) key blocks per split
+    unit = 128 if tune else active_options().attention.keys  # whole (autotuned) key blocks per split
     splits = num_splits or attention_splits(B * Hkv * T, S, unit, q.device)
     split_len = triton.cdiv(triton.cdiv(S, splits), unit) * unit
-    block_s, warps, stages = attention_shape(split_len)
-    split_len = triton.cdiv(split_len, block_s) * block_s
+    shape = attention_shape(split_len)
+    split_len = triton.cdiv(split_len, shape.keys) * shape.keys
     splits = triton.cdiv(S, split_len)
     work = B * Hkv * T
     o = torch.empty(work * splits * G, Dh, dtype=torch.float32, device=q.device)
@@ -406,16 +394,16 @@ def kv_attention(q: Tensor, layer: FP4KVLayer, q_positions: Tensor, sm_scale: fl
     pos = q_positions.to(torch.int64).contiguous()
     args = (q.contiguous(), pos, layer.k_packed, scale_bytes(layer.k_scales), layer.k_global,
             layer.v_packed, scale_bytes(layer.v_scales), layer.v_global, o, m, l_sum, float(sm_scale),
-            T, Hkv, S, split_len, splits, G, Dh, max(8 if ATTN_SWAP else 16, triton.next_power_of_2(G)))
+            T, Hkv, S, split_len, splits, G, Dh, max(8, triton.next_power_of_2(G)))
     dt, prec = mma_dtype(q.dtype, q.device), dot_precision(q.dtype, q.device)
     pdl = grid_dependency(q.device)
     if tune:
-        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, SWAP=ATTN_SWAP,
-                                 TILES=layer.value_tiles, **pdl)
+        _ATTN[1][(work, splits)](*args, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words, TILES=layer.value_tiles,
+                                 **pdl)
     else:
-        _attn_split_kernel[(work, splits)](*args, BLOCK_S=block_s, DTYPE=dt, PREC=prec, FAST=fast, WORDS=layer.words,
-                                           SWAP=ATTN_SWAP, TILES=layer.value_tiles, num_warps=warps,
-                                           num_stages=stages, **pdl)
+        _attn_split_kernel[(work, splits)](*args, BLOCK_S=shape.keys, DTYPE=dt, PREC=prec, FAST=fast,
+                                           WORDS=layer.words, TILES=layer.value_tiles, num_warps=shape.warps,
+                                           num_stages=shape.stages, **pdl)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _attn_merge_kernel[(work, G)](o, m, l_sum, out, T, Hkv, splits, G, Dh, triton.next_power_of_2(splits),
                                   num_warps=4, **pdl)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from trace_lightning.kernels._common import fast_dequant
@@ -15,18 +13,16 @@ def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: b
     """Whether the kernels decode the word layout on their fast path for this compute dtype and device (the
     packed bf16x2 PTX decoder: CUDA, bf16); elsewhere they read the stored order.
 
-    The KV cache (`cache`) takes it too unless TRACE_LIGHTNING_KV_WORDS=0 (H200: attention -6%, long 16K
-    rollouts 2.66 -> 2.77x BF16, CUDA parity tests pass; docs/benchmarks.md v9)."""
-    if cache and os.environ.get("TRACE_LIGHTNING_KV_WORDS", "1") == "0":
-        return False
+    The KV cache (`cache`) takes it wherever the weights do (H200: attention -6%, long 16K rollouts 2.66 -> 2.77x
+    BF16; docs/benchmarks.md v9); the argument stays for the ops protocol the sim shares."""
     return fast_dequant(dtype, torch.device(device))
 
 
 def prefers_value_tiles(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether the FP4 KV cache holds its values in value tiles (trace_lightning/quant/kv_tiles.py): where the fast
-    decoder runs, unless TRACE_LIGHTNING_KV_TILES=0. The decode attention then takes each V tile as its MMA
-    operand straight from the decoder instead of transposing it through shared memory."""
-    return os.environ.get("TRACE_LIGHTNING_KV_TILES", "1") != "0" and fast_dequant(dtype, torch.device(device))
+    decoder runs. The decode attention then takes each V tile as its MMA operand straight from the decoder instead
+    of transposing it through shared memory (H200, B=250 / 16K: 43 -> 65% of 4.25 TB/s; docs/benchmarks.md v13)."""
+    return fast_dequant(dtype, torch.device(device))
 
 
 def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:

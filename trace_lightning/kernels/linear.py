@@ -25,7 +25,6 @@ from trace_lightning.kernels._common import (
     mma_dtype,
     scale_bytes,
     sm_count,
-    swap_ab,
     tuned,
 )
 from trace_lightning.kernels._fp4 import activation_tile_kperm, await_previous_grid, unscale, weight_tile_kperm
@@ -39,7 +38,7 @@ from trace_lightning.sim._weights import global_strides
 def _linear_kernel(x_ptr, w_ptr, s_ptr, g_ptr, g_sn, out_ptr, M, N, K, K_SPLIT,
                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
                    WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,6 +77,11 @@ _LINEAR = tuned(_linear_kernel, [
 # tiles and 64-wide K steps (M=256: wqkv 36.1 -> 30.3 us, wo 28.7 -> 24.2 us); and the fewest K splits that give
 # about two programs per SM (LINEAR_FILL x SMs: 256 programs count for 132 SMs; wo M=16 split 16 -> 8, 12.2 -> 11.3 us).
 LINEAR_FILL = 1.9
+# Up to SWAP_MAX_ROWS rows the GEMM computes out^T = dequant(w) @ x^T: the dequantized weight tile is then the MMA's A
+# operand, which Hopper's wgmma reads from registers, and the weight rows fill its 64-row M side even at decode batch
+# sizes; x @ w^T puts the weight on the B side, through shared memory, with M = 16 token rows below wgmma's minimum
+# tile. Wider (prefill) row tiles fill M themselves and keep x @ w^T.
+SWAP_MAX_ROWS = 64
 
 
 def linear_config(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
@@ -115,7 +119,7 @@ def linear(x: Tensor, w: NVFP4, out_dtype: torch.dtype | None, split_k: int | No
     out = torch.empty((split, M, N) if split > 1 else (M, N), dtype=torch.float32 if split > 1 else out_dtype,
                       device=x.device)
     args = (x.contiguous(), w.packed.contiguous(), scale_bytes(w.scales).contiguous(), g, g_sn, out,
-            M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), swap_ab() and M <= 64,
+            M, N, K, k_split, mma_dtype(x.dtype, x.device), dot_precision(x.dtype, x.device), M <= SWAP_MAX_ROWS,
             fast, words, tiled, K % k_split == 0, bm)  # even: no split's K range runs past K
     if tune:
         _LINEAR[1][lambda meta: (triton.cdiv(M, bm), triton.cdiv(N, meta["BLOCK_N"]), split)](*args, **pdl)

@@ -1,4 +1,4 @@
-"""Fused FP4 MoE: token-expert pairs sorted by expert, one launch for gate/up (+SiLU-mul), one for down.
+"""Fused FP4 MoE: token-expert pairs grouped by expert, one launch for gate/up (+SiLU-mul), one for down.
 
 Pairs are grouped by expert into tiles of BLOCK_M rows (each expert's run padded to a multiple of
 BLOCK_M, vLLM-style), entirely with device ops, so there is no host sync and the step can be captured in
@@ -8,11 +8,13 @@ launch between the two GEMMs), which also writes it as the down GEMM's operand, 
 bf16), so the GEMM loads it as a plain tile instead of decoding bytes in each of its D / BLOCK_N column
 programs; per-row globals of both operands are applied to the float32 accumulator. Slots are summed by a
 deterministic reduction.
+
+Both GEMMs compute out^T = dequant(w) @ x^T: the dequantized weight tile is the MMA's A operand, which Hopper's wgmma
+reads from registers, and the weight rows fill its 64-row M side even at decode batch sizes (the x @ w^T form puts
+the weight on the B side, which must go through shared memory, and M = 16 pair rows below wgmma's minimum tile).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -22,6 +24,7 @@ from torch import Tensor
 from trace_lightning.kernels._common import (
     GEMM_TILES,
     TUNED_K_UNIT,
+    active_options,
     autotune_on,
     dot_precision,
     fast_dequant,
@@ -30,7 +33,6 @@ from trace_lightning.kernels._common import (
     mma_torch_dtype,
     scale_bytes,
     sm_count,
-    swap_ab,
     tuned,
 )
 from trace_lightning.kernels._fp4 import activation_tile_kperm, await_previous_grid, unscale, weight_tile_kperm
@@ -43,15 +45,12 @@ from trace_lightning.sim._weights import global_strides
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, cursor_ptr, P, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
-                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, ATOMIC: tl.constexpr = False,
-                  PDL: tl.constexpr = 0):
+                  BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """One program: histogram the pairs' experts, pad each expert's run to BLOCK_M, label every tile with its
-    expert, then place each chunk of BLOCK_P pairs by sorting it on (expert, pair): a pair's slot is its
-    sorted position plus its expert's offset (start of the expert's run + pairs of earlier chunks - the
-    chunk's pairs of earlier experts), so the order within an expert is the pairs' order (stable).
-    ATOMIC: a pair's slot is instead an atomic increment of its expert's cursor (cursor_ptr, int32 [E]), in no
-    fixed order within the expert; the GEMMs compute every pair's row on its own and the slots are summed in top-k
-    order, so their outputs do not depend on that order."""
+    expert, then place each pair at an atomic increment of its expert's cursor (cursor_ptr, int32 [E], set to the
+    start of the expert's run). The order within an expert is the cursors' arrival order, fixed by nothing; the
+    GEMMs compute every pair's row on its own and the slots are summed in top-k order, so their outputs do not
+    depend on it."""
     await_previous_grid(PDL)
     ev = tl.arange(0, BLOCK_E)
     pv = tl.arange(0, BLOCK_P)
@@ -74,53 +73,34 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, cursor_ptr, P, E, NUM_BLOCKS, B
         ends = tl.histogram(t, BLOCK_S, mask=(ev < E) & (t >= 0) & (t < BLOCK_S))
         tl.store(bexp_ptr + b0 + sv, ended + tl.cumsum(ends, axis=0), mask=b0 + sv < NUM_BLOCKS)
         ended += tl.sum(ends, axis=0)
-    if ATOMIC:
-        tl.store(cursor_ptr + ev, start, mask=ev < E)
-    tl.debug_barrier()  # the padding (and cursor) stores land before any thread's pair stores
-    if ATOMIC:
-        for p0 in range(0, P, BLOCK_P):
-            live = p0 + pv < P
-            e = tl.load(ids_ptr + p0 + pv, mask=live, other=0).to(tl.int32)
-            slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK_P,), 1, tl.int32), mask=live, sem="relaxed")
-            tl.store(sorted_ptr + slot, (p0 + pv).to(tl.int64), mask=live)
-    else:
-        seen = tl.zeros((BLOCK_E,), tl.int32)
-        for p0 in range(0, P, BLOCK_P):
-            live = p0 + pv < P
-            e = tl.load(ids_ptr + p0 + pv, mask=live, other=E).to(tl.int32)  # pairs past P sort last
-            chunk = tl.histogram(tl.where(live, e, 0), BLOCK_E, mask=live)  # every bin index in range, masked or not
-            order = tl.sort(e * BLOCK_P + pv)  # (expert, index in chunk), ascending
-            expert = order // BLOCK_P
-            shift = start + seen - (tl.cumsum(chunk, axis=0) - chunk)
-            slot = pv + tl.gather(shift, tl.minimum(expert, E - 1), 0)
-            tl.store(sorted_ptr + slot, (p0 + order % BLOCK_P).to(tl.int64), mask=expert < E)
-            seen += chunk
+    tl.store(cursor_ptr + ev, start, mask=ev < E)
+    tl.debug_barrier()  # the padding and cursor stores land before any thread's pair stores
+    for p0 in range(0, P, BLOCK_P):
+        live = p0 + pv < P
+        e = tl.load(ids_ptr + p0 + pv, mask=live, other=0).to(tl.int32)
+        slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK_P,), 1, tl.int32), mask=live, sem="relaxed")
+        tl.store(sorted_ptr + slot, (p0 + pv).to(tl.int64), mask=live)
 
 
-# warps of the one program that does the whole sort (None: by size); tools/sweep_moe.py times 4 / 8 / 16 on an H200:
-# 4 is best up to 64 tokens x 8 pairs (11.4 / 13.9 us at 128 / 512 pairs), 8 at 2048 pairs (47.9 -> 36.1 us)
-ALIGN_WARPS: int | None = None
-ALIGN_CHUNK = 2048  # pairs sorted at a time (decode batches up to 256 tokens x 8 in one chunk)
-# place pairs by atomic cursors (the default) or by the stable chunk sort (TRACE_LIGHTNING_ALIGN=sort); the order within
-# an expert changes no output. H200, docs/benchmarks.md v14: 45.4 / 36.0 -> 18.9 us at 2048 pairs, 14.1 -> 11.6 at 512
-ALIGN_ATOMIC = os.environ.get("TRACE_LIGHTNING_ALIGN", "atomic") != "sort"
+ALIGN_CHUNK = 2048  # pairs histogrammed and placed at a time (decode batches up to 256 tokens x 8 in one chunk)
 ALIGN_SLOTS = 1024  # slots / tiles written at a time
+# Placing pairs by atomic cursors replaced a stable sort of each chunk (its order within an expert changed no
+# output). H200, docs/benchmarks.md v14: align_pairs 36.0 -> 18.9 us at 2048 pairs, 14.1 -> 11.6 at 512.
 
 
 def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, int]:
     """Group (token, slot) pairs by expert into tiles: pair ids [blocks * block_m] (padding = P) and each tile's
-    expert [blocks] (== experts past the last tile). Experts in ascending order; within an expert, in pair order
-    (ALIGN_ATOMIC False) or in the cursors' arrival order. One launch, no host sync: `blocks` is an upper bound."""
+    expert [blocks] (== experts past the last tile). Experts in ascending order; within an expert, in the cursors'
+    arrival order. One launch, no host sync: `blocks` is an upper bound."""
     flat = topk_ids.reshape(-1).contiguous()
     P = flat.numel()
     blocks = triton.cdiv(P, block_m) + min(experts, P)
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=flat.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=flat.device)
-    # the atomic placement's per-expert cursors (the sort never reads the pointer: no allocation for it)
-    cursor = torch.empty(experts, dtype=torch.int32, device=flat.device) if ALIGN_ATOMIC else block_expert
+    cursor = torch.empty(experts, dtype=torch.int32, device=flat.device)  # per-expert placement cursors
     _align_kernel[(1,)](flat, sorted_ids, block_expert, cursor, P, experts, blocks, block_m,
                         max(16, min(ALIGN_CHUNK, triton.next_power_of_2(P))), max(16, triton.next_power_of_2(experts)),
-                        ALIGN_SLOTS, ALIGN_ATOMIC, num_warps=ALIGN_WARPS or (8 if P > 1024 else 4),
+                        ALIGN_SLOTS, num_warps=8 if P > 1024 else 4,
                         **grid_dependency(flat.device))
     return sorted_ids, block_expert, blocks
 
@@ -138,9 +118,9 @@ def _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h_ptr, P, TOPK, E, D, I,
-                    DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr, FAST: tl.constexpr,
+                    DTYPE: tl.constexpr, PREC: tl.constexpr, FAST: tl.constexpr,
                     WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
@@ -149,46 +129,30 @@ def _gate_up_kernel(x_ptr, ids_ptr, bexp_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, h
     nmask = rn < I
     gate_rows = e * 2 * I + rn
     up_rows = gate_rows + I
-    if SWAP:  # transposed accumulators: the dequantized weight is the MMA's register A operand
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed: the dequantized weight is the MMA's A operand
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_end = tl.where(live, D, 0)
     for k0 in range(0, k_end, BLOCK_K):
         x = activation_tile_kperm(x_ptr, tok, D, k0, valid, BLOCK_M, BLOCK_K, DTYPE, EVEN_K)  # K in permute_k order
         wg = weight_tile_kperm(w_ptr, s_ptr, gate_rows, D, k0, nmask, BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS, TILED,
                                EVEN_K)
-        if SWAP:
-            acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
-        else:
-            acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PREC)
+        acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision=PREC)
         wu = weight_tile_kperm(w_ptr, s_ptr, up_rows, D, k0, nmask, BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS, TILED,
                                EVEN_K)
-        if SWAP:
-            acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
-        else:
-            acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PREC)
+        acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision=PREC)
     g_gate = unscale(tl.load(g_ptr + e * g_se + rn * g_sn, mask=nmask, other=0.0), FAST)
     g_up = unscale(tl.load(g_ptr + e * g_se + (rn + I) * g_sn, mask=nmask, other=0.0), FAST)
-    if SWAP:
-        gate = acc_g * g_gate[:, None]
-        up = acc_u * g_up[:, None]
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(h_ptr + rows[None, :] * I + rn[:, None], h, mask=valid[None, :] & nmask[:, None])
-    else:
-        gate = acc_g * g_gate[None, :]
-        up = acc_u * g_up[None, :]
-        h = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(h_ptr + rows[:, None] * I + rn[None, :], h, mask=valid[:, None] & nmask[None, :])
+    gate = acc_g * g_gate[:, None]
+    up = acc_u * g_up[:, None]
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(h_ptr + rows[None, :] * I + rn[:, None], h, mask=valid[None, :] & nmask[:, None])
 
 
 @triton.jit
 def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, g_se, g_sn, y_ptr, P, E, D, I,
-                 QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr, SWAP: tl.constexpr,
+                 QUANT_A: tl.constexpr, DTYPE: tl.constexpr, PREC: tl.constexpr,
                  FAST: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     pid_n = tl.program_id(1)
     e, live, rows, valid = _expert_tile(ids_ptr, bexp_ptr, P, E, BLOCK_M)
@@ -196,28 +160,18 @@ def _down_kernel(a_ptr, ag_ptr, ids_ptr, bexp_ptr, tw_ptr, w_ptr, s_ptr, g_ptr, 
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < D
     w_rows = e * D + rn
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # transposed, as in gate/up
     k_end = tl.where(live, I, 0)
     for k0 in range(0, k_end, BLOCK_K):
         a = activation_tile_kperm(a_ptr, safe, I, k0, valid, BLOCK_M, BLOCK_K, DTYPE, EVEN_K)  # K in permute_k order
         w = weight_tile_kperm(w_ptr, s_ptr, w_rows, I, k0, nmask, BLOCK_N, BLOCK_K, DTYPE, FAST, WORDS, TILED, EVEN_K)
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        acc = tl.dot(w, tl.trans(a), acc, input_precision=PREC)
     row_scale = tl.load(tw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
     if QUANT_A:  # A is code * block scale (no 2^-7, unlike the weight): only its row global is left to apply
         row_scale = tl.load(ag_ptr + safe, mask=valid, other=0.0) * row_scale
     g_w = unscale(tl.load(g_ptr + e * g_se + rn * g_sn, mask=nmask, other=0.0), FAST)
-    if SWAP:
-        y = acc * g_w[:, None] * row_scale[None, :]
-        tl.store(y_ptr + rows[None, :] * D + rn[:, None], y, mask=valid[None, :] & nmask[:, None])
-    else:
-        y = acc * g_w[None, :] * row_scale[:, None]
-        tl.store(y_ptr + rows[:, None] * D + rn[None, :], y, mask=valid[:, None] & nmask[None, :])
+    y = acc * g_w[:, None] * row_scale[None, :]
+    tl.store(y_ptr + rows[None, :] * D + rn[:, None], y, mask=valid[None, :] & nmask[:, None])
 
 
 _GATE_UP = tuned(_gate_up_kernel, [
@@ -248,10 +202,8 @@ def fills_chip(pairs: int, experts: int, n: int, block_m: int, block_n: int, dev
 # tiles, 128-wide K steps had measured best there) and down 128-wide N tiles; down's 16-row tiles take 128-wide N
 # tiles too while they fill the chip (N = 16 / 64: 131 / 175 -> 127 / 168 us); 64-row tiles (prefill) keep 64 /
 # moe_config's N tile (unmeasured; 128 would be 203 / 223 registers, sm_90 SASS).
-# Launch shapes tools/sweep_moe.py varies, per GEMM: (block_n, block_k, warps, stages); None for block_n /
-# block_k keeps the functions below.
-GATE_UP_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
-DOWN_LAUNCH: tuple[int | None, int | None, int, int] = (None, None, 4, 3)
+# KernelOptions.moe_gate_up / moe_down override these per GEMM (tools/sweep_moe.py varies them); their None block_n /
+# block_k keep the functions below.
 
 
 def block_k_for(block_m: int) -> int:
@@ -291,15 +243,15 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     g13, g13_strides = global_strides(w13)
     g2, g2_strides = global_strides(w2)
     args = (x.contiguous(), sorted_ids, block_expert, w13.packed.contiguous(), scale_bytes(w13.scales).contiguous(),
-            g13, *g13_strides, h, P, k, E, D, I, dt, prec, swap_ab(), fast, words13, tiled13)
-    bn, bk, warps, stages = GATE_UP_LAUNCH
-    bn, bk = bn or gate_up_block_n(P, E, I, block_m, dev), bk or block_k_for(block_m)
+            g13, *g13_strides, h, P, k, E, D, I, dt, prec, fast, words13, tiled13)
+    launch = active_options().moe_gate_up
+    bn, bk = launch.block_n or gate_up_block_n(P, E, I, block_m, dev), launch.block_k or block_k_for(block_m)
     if tune:
         _GATE_UP[1][lambda meta: (blocks, triton.cdiv(I, meta["BLOCK_N"]))](*args, D % TUNED_K_UNIT == 0, block_m,
                                                                             **pdl)
     else:
-        _GATE_UP[0][(blocks, triton.cdiv(I, bn))](*args, D % bk == 0, block_m, bn, bk, num_warps=warps,
-                                                  num_stages=stages, **pdl)
+        _GATE_UP[0][(blocks, triton.cdiv(I, bn))](*args, D % bk == 0, block_m, bn, bk, num_warps=launch.warps,
+                                                  num_stages=launch.stages, **pdl)
     if quantize_intermediate:  # A = code * block scale in the MMA dtype, its row global for the epilogue
         q, a = quantize_nvfp4_rows_operand(h.view(N, k, I), mma_torch_dtype(x.dtype, dev))
         a_global = q.global_scale
@@ -308,12 +260,12 @@ def fp4_moe(x: Tensor, w13: NVFP4, w2: NVFP4, topk_ids: Tensor, topk_weights: Te
     y = torch.empty(P, D, dtype=torch.float32, device=dev)
     args = (a, a_global, sorted_ids, block_expert, topk_weights.contiguous(), w2.packed.contiguous(),
             scale_bytes(w2.scales).contiguous(), g2, *g2_strides, y, P, E, D, I,
-            q is not None, dt, prec, swap_ab(), fast, words2, tiled2)
-    bn, bk, warps, stages = DOWN_LAUNCH
-    bn, bk = bn or down_block_n(P, E, D, block_m, dev), bk or block_k_for(block_m)
+            q is not None, dt, prec, fast, words2, tiled2)
+    launch = active_options().moe_down
+    bn, bk = launch.block_n or down_block_n(P, E, D, block_m, dev), launch.block_k or block_k_for(block_m)
     if tune:
         _DOWN[1][lambda meta: (blocks, triton.cdiv(D, meta["BLOCK_N"]))](*args, I % TUNED_K_UNIT == 0, block_m, **pdl)
     else:
-        _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, I % bk == 0, block_m, bn, bk, num_warps=warps,
-                                               num_stages=stages, **pdl)
+        _DOWN[0][(blocks, triton.cdiv(D, bn))](*args, I % bk == 0, block_m, bn, bk, num_warps=launch.warps,
+                                               num_stages=launch.stages, **pdl)
     return sum_partials(y.view(N, k, D), 1, x.dtype), q

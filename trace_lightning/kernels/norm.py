@@ -31,7 +31,7 @@ def _round_to(x, DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, R, D, inv_d, eps, X_DTYPE: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
+                     BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK_D)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from trace_lightning.kernels._common import grid_dependency, sm_count
+from trace_lightning.kernels._common import active_options, grid_dependency, sm_count
 from trace_lightning.kernels._fp4 import (
     E2M1_CODE_BIAS,
     abs_bits_max,
@@ -29,54 +29,53 @@ from trace_lightning.quant import MXFP4, NVFP4
 from trace_lightning.quant.mxfp4 import check_mx_mode
 from trace_lightning.quant.nvfp4 import _check_global_scale
 
-GLOBAL_NONE, GLOBAL_GIVEN, GLOBAL_ROW = 0, 1, 2
+# Where the NVFP4 kernel's global scale comes from: none (1.0), given (a tensor or per-row one; weights), or computed
+# per row in the same pass (activations, K / V). Constexpr constants rather than an enum: a jit function may read
+# only tl.constexpr globals.
+GLOBAL_NONE = tl.constexpr(0)
+GLOBAL_GIVEN = tl.constexpr(1)
+GLOBAL_ROW = tl.constexpr(2)
 # What the NVFP4 kernel writes beside the bytes: nothing, the fake-quant value code * (scale * global) in x's dtype
 # (NVFP4.dequantize's order), or a GEMM operand code * scale with the global left for the caller's epilogue.
 DEQUANT_NONE = tl.constexpr(0)
 DEQUANT_WITH_GLOBAL = tl.constexpr(1)
 DEQUANT_NO_GLOBAL = tl.constexpr(2)
-# torch on CUDA divides a tensor by a Python scalar as a multiply by the float32 reciprocal; on CPU it
-# divides. The reference (trace_lightning.quant) runs on whichever device holds x, so the kernels do the same.
-INV_6 = tl.constexpr(0.1666666716337204)  # float32(1 / 6)
-INV_2688 = tl.constexpr(0.00037202381645329297)  # float32(1 / 2688)
 # E2M1_CODE_BIAS in each of a word's 8 nibbles, mod 2^32 as an int32
 WORD_BIAS = tl.constexpr((E2M1_CODE_BIAS.value * 0x11111111 + 2**31) % 2**32 - 2**31)
 
 
 @triton.jit
-def div_scalar(x, d: tl.constexpr, inv_d: tl.constexpr, RECIP: tl.constexpr):
-    """x / d as torch computes it on this device: IEEE division (CPU) or x * float32(1 / d) (CUDA)."""
-    if RECIP:
-        return x * inv_d
-    else:
-        return tl.math.div_rn(x, tl.full(x.shape, d, tl.float32))
+def div_scalar(x, d: tl.constexpr):
+    """x / d rounded once (IEEE), as the reference divides on every device (trace_lightning.quant.blocks.divide):
+    never x * float32(1 / d), which is what torch itself does on CUDA for a Python divisor."""
+    return tl.math.div_rn(x, tl.full(x.shape, d, tl.float32))
 
 
 @triton.jit
-def row_global(x_ptr, R, K, rows, RECIP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def row_global(x_ptr, R, K, rows, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Per-row global amax / 2688 floored at 2^-120 (NaN for a row holding NaN, inf for one holding inf), from a
     first pass over the row in the quantizing pass's tiles and block keys."""
     NB: tl.constexpr = BLOCK_K // 16
     amax_bits = tl.zeros((BLOCK_R,), tl.int32)
     for k0 in range(0, K, BLOCK_K):
         amax_bits = tl.maximum(amax_bits, tl.max(block_amax_bits(_load_blocks(x_ptr, rows, k0, R, K, 2, NB)), 0))
-    return row_global_from_bits(amax_bits, RECIP)
+    return row_global_from_bits(amax_bits)
 
 
 @triton.jit
-def row_global_from_bits(amax_bits, RECIP: tl.constexpr):
+def row_global_from_bits(amax_bits):
     """clamp(amax / (448 * 6), min=2^-120) from abs_bits_max's key; NaN where the row held NaN, inf kept."""
     amax = amax_bits.to(tl.float32, bitcast=True)
-    g = tl.maximum(div_scalar(amax, 2688.0, INV_2688, RECIP), 7.52316384526264e-37)  # 2^-120
+    g = tl.maximum(div_scalar(amax, 2688.0), 7.52316384526264e-37)  # 2^-120
     return tl.where(amax_bits > 0x7F800000, float("nan"), g)
 
 
 @triton.jit
-def nvfp4_block_scales(amax_bits, g, inv_g, HAS_GLOBAL: tl.constexpr, RECIP: tl.constexpr):
+def nvfp4_block_scales(amax_bits, g, inv_g, HAS_GLOBAL: tl.constexpr):
     """Blocks' E4M3 scale bytes, 1 / (global * scale) and bad-block flags (NaN / inf in the block or its global) from
     abs_bits_max keys amax_bits and their row globals g, 1 / g (broadcast against amax_bits)."""
     bad = amax_bits >= 0x7F800000
-    bs = div_scalar(amax_bits.to(tl.float32, bitcast=True), 6.0, INV_6, RECIP)
+    bs = div_scalar(amax_bits.to(tl.float32, bitcast=True), 6.0)
     if HAS_GLOBAL:
         bs = tl.math.div_rn(bs, tl.broadcast_to(g, bs.shape))
         bad = bad | ~(tl.abs(g) < float("inf"))
@@ -92,13 +91,13 @@ def nvfp4_block_scales(amax_bits, g, inv_g, HAS_GLOBAL: tl.constexpr, RECIP: tl.
 
 
 @triton.jit
-def nvfp4_tile(x, g, inv_g, HAS_GLOBAL: tl.constexpr, RECIP: tl.constexpr, BLOCK_R: tl.constexpr,
+def nvfp4_tile(x, g, inv_g, HAS_GLOBAL: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_K: tl.constexpr):
     """Quantize a float32 tile [BLOCK_R, BLOCK_K] with row globals g [BLOCK_R] (1/g given):
     -> (packed uint8 [BLOCK_R, BLOCK_K // 2], scale bytes int32 [BLOCK_R, BLOCK_K // 16])."""
     NB: tl.constexpr = BLOCK_K // 16
     xb = tl.reshape(x, (BLOCK_R, NB, 16))
-    byte, r, _ = nvfp4_block_scales(abs_bits_max(xb, 2), g[:, None], inv_g[:, None], HAS_GLOBAL, RECIP)
+    byte, r, _ = nvfp4_block_scales(abs_bits_max(xb, 2), g[:, None], inv_g[:, None], HAS_GLOBAL)
     codes = tl.reshape(encode_e2m1(xb * r[:, :, None]), (BLOCK_R, BLOCK_K))
     return pack_codes(codes, BLOCK_R, BLOCK_K), byte
 
@@ -155,16 +154,17 @@ def block_words(x, r, bad, NAN_SAFE: tl.constexpr, SATURATE: tl.constexpr = True
 
 
 @triton.jit
-def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr,
-                 DEQUANT: tl.constexpr, RECIP: tl.constexpr, NB: tl.constexpr, amax_bits=None):
+def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL: tl.constexpr,
+                 DEQUANT: tl.constexpr, NB: tl.constexpr, amax_bits=None):
     """Quantize the loaded block_offsets tile x (float32, blocks k0 / 16 ..) of `rows` and store its bytes; amax_bits:
     its blocks' keys when the caller already has them."""
     if amax_bits is None:
         amax_bits = block_amax_bits(x)
-    byte, r, bad = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], MODE != 0, RECIP)
+    byte, r, bad = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], GLOBAL != GLOBAL_NONE)
     # a given global scale can make r overflow to inf (0 * inf is NaN, code 7): each element is checked then (a
     # branch on whether any r of the program overflows made the kernel 2.3x slower on an H200: v14)
-    words, value = block_words(x, r, None if MODE == 1 else bad, MODE == 1, MODE != 2)
+    words, value = block_words(x, r, None if GLOBAL == GLOBAL_GIVEN else bad, GLOBAL == GLOBAL_GIVEN,
+                               GLOBAL != GLOBAL_ROW)
     _store_words(words_ptr, words, rows, k0, R, K, 2, NB)
     nb = k0 // 16 + tl.arange(0, NB)
     tl.store(scales_ptr + rows[None, :].to(tl.int64) * (K // 16) + nb[:, None], byte.to(tl.uint8),
@@ -193,9 +193,9 @@ def _load_blocks(x_ptr, rows, k0, R, K, PARTS: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.constexpr, DEQUANT: tl.constexpr,
-                  RECIP: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr = 0):
+def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL: tl.constexpr, DEQUANT: tl.constexpr,
+                  ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     NB: tl.constexpr = BLOCK_K // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -203,22 +203,22 @@ def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, MODE: tl.co
     if ONE_PASS:  # whole rows in one chunk: x is read once, the row amax (from the blocks' amaxes) included
         x = _load_blocks(x_ptr, rows, 0, R, K, 2, NB)
         amax_bits = block_amax_bits(x)
-    if MODE == 2:
+    if GLOBAL == GLOBAL_ROW:
         if ONE_PASS:
-            g = row_global_from_bits(tl.max(amax_bits, 0), RECIP)
+            g = row_global_from_bits(tl.max(amax_bits, 0))
         else:
-            g = row_global(x_ptr, R, K, rows, RECIP, BLOCK_R, BLOCK_K)
+            g = row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K)
         tl.store(g_ptr + rows, g, mask=rows < R)
     else:
         g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
     inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
     if ONE_PASS:
-        _nvfp4_chunk(x, 0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, MODE, DEQUANT, RECIP, NB,
+        _nvfp4_chunk(x, 0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL, DEQUANT, NB,
                      amax_bits)
     else:
         for k0 in range(0, K, BLOCK_K):
             _nvfp4_chunk(_load_blocks(x_ptr, rows, k0, R, K, 2, NB), k0, rows, g, inv_g, words_ptr, scales_ptr,
-                         dq_ptr, R, K, MODE, DEQUANT, RECIP, NB)
+                         dq_ptr, R, K, GLOBAL, DEQUANT, NB)
 
 
 @triton.jit
@@ -241,8 +241,8 @@ def _rceil_exponent(v):
 
 
 @triton.jit
-def _mxfp4_kernel(x_ptr, words_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+def _mxfp4_kernel(x_ptr, words_ptr, scales_ptr, R, K, RCEIL: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     NB: tl.constexpr = BLOCK_K // 32
@@ -252,7 +252,7 @@ def _mxfp4_kernel(x_ptr, words_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP
         bad = amax_bits >= 0x7F800000  # NaN or inf in the block (whose scale byte then is 255)
         amax = amax_bits.to(tl.float32, bitcast=True)
         if RCEIL:
-            exp = tl.minimum(tl.maximum(_rceil_exponent(div_scalar(amax, 6.0, INV_6, RECIP)), -127), 127)
+            exp = tl.minimum(tl.maximum(_rceil_exponent(div_scalar(amax, 6.0)), -127), 127)
             biased = tl.where(bad, 255, exp + 127)
             rb = ((254 - biased) << 23).to(tl.float32, bitcast=True)
             r = tl.where(biased == 0, 1.0, tl.where(biased == 254, 5.877471754111438e-39, rb))  # 2^-127
@@ -270,7 +270,7 @@ def _mxfp4_kernel(x_ptr, words_ptr, scales_ptr, R, K, RCEIL: tl.constexpr, RECIP
 
 
 @triton.jit
-def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def _parity_kernel(packed_ptr, out_ptr, n_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     quad = tl.arange(0, 4)
@@ -287,9 +287,6 @@ def _rows_view(x: Tensor, block: int) -> Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-LAUNCH: tuple[int, int] | None = None  # (rows, warps) a program instead of _launch_shape's (tools/sweep_quant.py)
-
-
 def _launch_shape(R: int, K: int, device: torch.device, per_thread: int = 64) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_K, warps): whole rows up to 8192 wide (one pass: the row-global mode would otherwise
     read each row twice), about per_thread elements a thread, and few enough rows per program that a
@@ -301,12 +298,13 @@ def _launch_shape(R: int, K: int, device: torch.device, per_thread: int = 64) ->
     block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
     while block_r > 1 and triton.cdiv(R, block_r) < 2 * sm_count(device):
         block_r //= 2
-    if LAUNCH is not None:
-        return LAUNCH[0], block_k, LAUNCH[1]
+    launch = active_options().quantize
+    if launch is not None:
+        return launch.rows, block_k, launch.warps
     return block_r, block_k, max(4, block_r * block_k // (32 * per_thread))
 
 
-def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
+def _nvfp4(x: Tensor, g: Tensor | None, global_scale: tl.constexpr, dq: Tensor | None = None,
            dequant: tl.constexpr = DEQUANT_WITH_GLOBAL) -> tuple[Tensor, Tensor, Tensor]:
     """(packed, scales, row globals) of x; with dq given, also the `dequant` values into dq (x's shape)."""
     x2 = _rows_view(x, 16)
@@ -317,9 +315,9 @@ def _nvfp4(x: Tensor, g: Tensor | None, mode: int, dq: Tensor | None = None,
     block_r, block_k, warps = _launch_shape(R, K, x.device, 64 if dq is None else 32)
     dequant = DEQUANT_NONE if dq is None else dequant
     words = packed.view(torch.int32)  # the kernel stores 8 codes a word
-    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, words, scales, packed if dq is None else dq, R, K, mode,
-                                              dequant.value, x.device.type == "cuda", block_k >= K, block_r,
-                                              block_k, num_warps=warps, **grid_dependency(x.device))
+    _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, words, scales, packed if dq is None else dq, R, K,
+                                              global_scale.value, dequant.value, block_k >= K, block_r, block_k,
+                                              num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
 
@@ -367,7 +365,6 @@ def quantize_mxfp4(x: Tensor, mode: str = "floor") -> MXFP4:
     scales = torch.empty(R, K // 32, dtype=torch.uint8, device=x.device)
     block_r, block_k, warps = _launch_shape(R, K, x.device)
     _mxfp4_kernel[(triton.cdiv(R, block_r),)](x2, packed.view(torch.int32), scales, R, K, mode == "rceil",
-                                              x.device.type == "cuda",
                                               block_r, block_k, num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return MXFP4(packed=packed.view(*lead, K // 2), scales=scales.view(*lead, K // 32).view(torch.float8_e8m0fnu),

@@ -13,7 +13,7 @@ from trace_lightning.kernels._fp4 import await_previous_grid
 
 @triton.jit
 def _sum_kernel(y_ptr, out_ptr, D, stride_row, stride_part, PARTS: tl.constexpr, BLOCK_D: tl.constexpr,
-                PDL: tl.constexpr = 0):
+                PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

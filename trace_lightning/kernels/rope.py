@@ -21,7 +21,7 @@ from trace_lightning.kernels.norm import _round_to, weighted_norm
 @triton.jit
 def _rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, sx_bt, sx_h, inv_d, eps, NORM: tl.constexpr,
                  X_DTYPE: tl.constexpr, Y_DTYPE: tl.constexpr, DH: tl.constexpr, BLOCK_H: tl.constexpr,
-                 PDL: tl.constexpr = 0):
+                 PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     HALF: tl.constexpr = DH // 2
     bt = tl.program_id(0).to(tl.int64)

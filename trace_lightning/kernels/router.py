@@ -37,7 +37,7 @@ def _flip(bits):
 @triton.jit
 def _route_topk_kernel(logits_ptr, gates_ptr, ids_ptr, R, E, SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr,
                        TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                       PDL: tl.constexpr = 0):
+                       PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     TAKEN: tl.constexpr = -2147483647  # below every float's key (-inf's is -2139095041): padding, picked lanes
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from typing import Any
 
 import lightning as L
 from torch import Tensor
 
-from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
+from trace_lightning.guidance import (
+    ModelIdentity,
+    RecordExchange,
+    collate_records,
+    layer_bytes_per_token,
+    select_layers,
+)
 from trace_lightning.lit.batch import TrainBatch
+from trace_lightning.lit.timing import device_time
 from trace_lightning.rl import MismatchMetric
 from trace_lightning.rollout import check_weight_checksums, fp4_weight_checksums
 
@@ -35,13 +41,15 @@ class WeightSync(L.Callback):
     def _sync(self, module: Any, log: bool = True) -> None:
         audit = bool(self.audit_every) and module.policy_version % self.audit_every == 0 and module.method.rollout_fp4
         ours: dict[str, str] = {}
-        start = time.perf_counter()
+        sync_s = 0.0
         for bucket in module.weight_buckets(self.bucket_mb << 20):
+            start = device_time(module.device)
             module.worker.sync(bucket, module.policy_version)
+            sync_s += device_time(module.device) - start
             if audit:
                 ours |= fp4_weight_checksums(bucket, module.fmt, config=module.policy.config)
         if log:
-            module.log("sync/ms", 1000 * (time.perf_counter() - start))
+            module.log("time/sync_s", sync_s)
         if audit:
             self.check(module, ours)
             self.check_ranks_agree(module, ours)
@@ -94,7 +102,9 @@ class CacheExchange(L.Callback):
         self.exchange.reset_metrics()
         if batch.records:
             ticket = self.exchange.send(batch.records)
-            received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt)
+            model = ModelIdentity.of(module.policy.config, module.named_weights_for_sync())
+            received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt,
+                                             model=model)
             batch.record = collate_records(received, pad_to=width)
             for key, value in self.exchange.metrics().items():  # bytes summed over ranks, the rest rank means
                 module.log(key, value, batch_size=batch.tokens.shape[0], sync_dist=True,

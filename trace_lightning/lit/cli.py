@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
+
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import PolicyModule
@@ -28,7 +31,10 @@ def main(args: list[str] | None = None, run: bool = True) -> TraceCLI:
 
 def entry() -> None:
     """The `trace-rl` console script (returns nothing, so the exit status is 0 on success)."""
-    main()
+    try:
+        main()
+    except SIGTERMException as stop:  # Lightning leaves with status 0 on SIGTERM; a killed run must not look done
+        raise SystemExit(stop.code or 128 + signal.SIGTERM) from stop
 
 
 if __name__ == "__main__":

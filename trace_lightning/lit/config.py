@@ -1,8 +1,51 @@
-"""Typed settings of the RL run; LightningCLI turns the field docstrings into `--help` text."""
+"""Typed settings of the RL run; LightningCLI turns the field docstrings into `--help` text.
+
+Each config checks its values when it is built, so a bad setting stops the run before the warm start with
+a one-line error that names the field and lists the valid choices, instead of at the first RL step.
+"""
 
 from __future__ import annotations
 
+import math
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+from trace_lightning.guidance.compaction import parse_layer_policy
+from trace_lightning.methods import METHODS
+from trace_lightning.ops import BACKENDS
+from trace_lightning.quant import parse_format
+from trace_lightning.rl import ADVANTAGES, AGG_MODES, CORRECTIONS, POLICY_LOSSES
+
+FORMAT_NAMES = ("nvfp4", "nvfp4:none", "mxfp4", "mxfp4:floor", "mxfp4:rceil")
+COMPUTE_DTYPES = ("bf16", "bfloat16", "fp32", "float32")
+
+
+class NoLearningSignalWarning(UserWarning):
+    """Settings under which every group's samples get the same reward, so group advantages are all zero."""
+
+
+def check_choice(field: str, value: Any, choices: Iterable[str]) -> None:
+    """ValueError naming the field and listing the choices unless value is one of them."""
+    choices = list(choices)
+    if value not in choices:
+        raise ValueError(f"unknown {field} {value!r}; expected one of: {', '.join(choices)}")
+
+
+def check_int(field: str, value: Any, low: int) -> None:
+    """ValueError unless value is an int (not a bool) >= low."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{field} must be an integer >= {low}, got {value!r}")
+
+
+def check_real(field: str, value: Any, low: float, *, low_open: bool = False, high: float = math.inf) -> None:
+    """ValueError unless value is a finite number in [low, high] (or (low, high] when low_open)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if math.isfinite(high) else "")
+        raise ValueError(f"{field} must be a finite number {bound}, got {value!r}")
 
 
 @dataclass
@@ -26,6 +69,21 @@ class TraceConfig:
     cuda_graph: bool = True
     """On GPU, replay the engine's decode step as a CUDA graph (false: eager steps, e.g. to profile)."""
 
+    def __post_init__(self) -> None:
+        check_choice("trace.method", self.method, METHODS)
+        try:
+            parse_format(self.fmt)
+        except ValueError:
+            raise ValueError(f"unknown trace.fmt {self.fmt!r}; expected one of: {', '.join(FORMAT_NAMES)}") from None
+        if self.layers is not None:
+            try:
+                parse_layer_policy(self.layers)
+            except ValueError as err:
+                raise ValueError(f"trace.layers: {err}") from None
+        check_int("trace.audit_every", self.audit_every, 0)
+        check_choice("trace.rollout_compute", self.rollout_compute, COMPUTE_DTYPES)
+        check_choice("trace.backend", self.backend, BACKENDS)
+
 
 @dataclass
 class RolloutConfig:
@@ -44,13 +102,27 @@ class RolloutConfig:
     top_p: float = 1.0
     """Top-p truncation of sampling (1.0: off)."""
 
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "group_size", "max_new_tokens"):
+            check_int(f"rollout.{name}", getattr(self, name), 1)
+        check_real("rollout.temperature", self.temperature, 0.0)
+        check_int("rollout.top_k", self.top_k, 0)
+        check_real("rollout.top_p", self.top_p, 0.0, low_open=True, high=1.0)
+        if self.group_size == 1:
+            warnings.warn("rollout.group_size is 1: each group holds one sample, so every group advantage is 0 "
+                          "and RL learns nothing; use group_size >= 2", NoLearningSignalWarning, stacklevel=3)
+        if self.temperature == 0:
+            warnings.warn("rollout.temperature is 0 (greedy): the samples of a group are identical, so every group "
+                          "advantage is 0 and RL learns nothing; use a temperature > 0", NoLearningSignalWarning,
+                          stacklevel=3)
+
 
 @dataclass
 class RLConfig:
     """The policy-gradient objective."""
 
     advantage: str = "grpo"
-    """Advantage estimator: grpo | rloo | dr_grpo."""
+    """Advantage estimator: grpo | rloo | dr_grpo (rl advantage registry)."""
     loss: str = "ppo_clip"
     """Policy loss from the rl registry."""
     loss_agg: str = "token_mean"
@@ -63,3 +135,22 @@ class RLConfig:
     """Truncation of the importance weight for tis."""
     correction: str | None = None
     """Mismatch correction none | tis | mis; None takes the method's default."""
+
+    def __post_init__(self) -> None:
+        check_choice("rl.advantage", self.advantage, ADVANTAGES)
+        check_choice("rl.loss", self.loss, POLICY_LOSSES)
+        check_choice("rl.loss_agg", self.loss_agg, AGG_MODES)
+        if self.correction is not None:
+            check_choice("rl.correction", self.correction, CORRECTIONS)
+        check_real("rl.clip_eps", self.clip_eps, 0.0)
+        check_real("rl.kl_coef", self.kl_coef, 0.0)
+        check_real("rl.tis_cap", self.tis_cap, 0.0, low_open=True)
+
+
+def check_run_args(rl: RLConfig, rollout: RolloutConfig, *, lr: float, warmup_lr: float, warmup_steps: int) -> None:
+    """The checks that span configs, and the module's own numbers: all before any weight is built."""
+    if rl.advantage == "rloo" and rollout.group_size < 2:
+        raise ValueError(f"rl.advantage 'rloo' needs rollout.group_size >= 2, got {rollout.group_size}")
+    check_real("lr", lr, 0.0, low_open=True)
+    check_real("warmup_lr", warmup_lr, 0.0, low_open=True)
+    check_int("warmup_steps", warmup_steps, 0)

@@ -23,8 +23,9 @@ from torch.distributed.tensor import DTensor
 from trace_lightning.envs import Problem
 from trace_lightning.guidance import FakeQuantHook, GuidedHook, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
-from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig
+from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
 from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale
+from trace_lightning.lit.timing import device_time, peak_memory_gib
 from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
 from trace_lightning.model import CharTokenizer, MoEConfig, QuantHook, Transformer, load_hf, load_tokenizer
@@ -32,7 +33,6 @@ from trace_lightning.quant import parse_format
 from trace_lightning.rl import (
     ADVANTAGES,
     CORRECTIONS,
-    POLICY_LOSSES,
     CorrectionConfig,
     PolicyLossConfig,
     policy_loss,
@@ -127,9 +127,7 @@ class PolicyModule(L.LightningModule):
         self.method: MethodSpec = get_method(self.trace.method)
         self.fmt = parse_format(self.trace.fmt)
         self.correction = self.rl.correction or self.method.correction
-        for name, registry in (("advantage", ADVANTAGES), ("loss", POLICY_LOSSES)):
-            if getattr(self.rl, name) not in registry:
-                raise ValueError(f"unknown rl.{name} {getattr(self.rl, name)!r}; expected one of {sorted(registry)}")
+        check_run_args(self.rl, self.rollout_cfg, lr=lr, warmup_lr=warmup_lr, warmup_steps=warmup_steps)
         if self.correction not in CORRECTIONS:
             raise ValueError(f"unknown rl.correction {self.correction!r}; expected one of {sorted(CORRECTIONS)}")
         self.loss_config = PolicyLossConfig(
@@ -169,6 +167,19 @@ class PolicyModule(L.LightningModule):
                 batch.routes = [r.to(device) for r in value]
         return batch
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_start = device_time(self.device)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """The optimizer step, then the step's training time (forward, backward, step; not rollout or sync)."""
+        super().optimizer_step(*args, **kwargs)
+        train_s = device_time(self.device) - self._step_start
+        tokens = float(self._step_tokens)
+        self.log_dict({"time/train_s": train_s, "train/tokens_per_s": tokens / max(train_s, 1e-9)})
+        peak = peak_memory_gib(self.device)
+        if peak is not None:
+            self.log("memory/peak_gib", peak)
+
     def in_warmup(self, step: int | None = None) -> bool:
         return (self.global_step if step is None else step) < self.warmup_steps
 
@@ -179,6 +190,7 @@ class PolicyModule(L.LightningModule):
 
     def training_step(self, batch: DemoBatch | TrainBatch, batch_idx: int) -> dict[str, Any]:
         self._set_lr()
+        self._step_tokens = int(batch.attention_mask.sum())
         if isinstance(batch, DemoBatch):
             return self.supervised_step(batch)
         return self.rl_step(batch)
@@ -287,10 +299,7 @@ class PolicyModule(L.LightningModule):
             return self.worker
         if method not in self._eval_workers:
             trace = TraceConfig(**{**vars(self.trace), "method": method})
-            # A sharded policy cannot be copied; an unsharded one of the same config takes the synced weights.
-            sharded = any(isinstance(p, DTensor) for p in self.policy.parameters())
-            template = Transformer(self.policy.config) if sharded else self.policy
-            self._eval_workers[method] = RolloutWorker(template, self.tokenizer, spec, trace, self.rollout_cfg)
+            self._eval_workers[method] = RolloutWorker(self.policy, self.tokenizer, spec, trace, self.rollout_cfg)
         worker = self._eval_workers[method]
         worker.sync(self.named_weights_for_sync(), self.policy_version)
         return worker

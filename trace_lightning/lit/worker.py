@@ -16,6 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Env, Problem
 from trace_lightning.guidance import QuantRecord
@@ -38,6 +39,15 @@ def rollout_precision(method: MethodSpec, trace: TraceConfig) -> Any:
     return FP4Precision(fmt=fmt.kind, mx_mode=fmt.mx_mode, compute_dtype=_DTYPES[trace.rollout_compute])
 
 
+def engine_copy(policy: Transformer) -> Transformer:
+    """The engine's own copy of the policy. A sharded (FSDP) policy cannot be copied: an unsharded model of the same
+    config stands in (the global RNG left as it was), and the first weight sync sets all of its weights."""
+    if not any(isinstance(p, DTensor) for p in policy.parameters()):
+        return copy.deepcopy(policy)
+    with torch.random.fork_rng(devices=[]):
+        return Transformer(policy.config).to(next(policy.parameters()).device)
+
+
 class RolloutWorker(L.LightningModule):
     """Generates rollouts with the FP4 engine; `predict_step` samples from the current policy."""
 
@@ -46,12 +56,29 @@ class RolloutWorker(L.LightningModule):
     ) -> None:
         super().__init__()
         self.tokenizer, self.method, self.trace, self.rollout_cfg = tokenizer, method, trace, rollout
-        self.engine = Engine(copy.deepcopy(policy).eval(), rollout_precision(method, trace), backend=trace.backend,
-                             cuda_graph=trace.cuda_graph)
+        object.__setattr__(self, "_policy", policy)  # the trainer's module: followed, not owned (no child module)
+        rollout_precision(method, trace)  # a bad setting fails here, not at the first rollout
+        self._engine: Engine | None = None
         self.record_layers: list[int] = []
         """Layers whose record is kept (set by the DepthSelectiveCompaction callback)."""
         self.audit_next = False
         """Capture full records of every layer on the next rollout (set by the compaction callback)."""
+
+    @property
+    def engine(self) -> Engine:
+        """The engine on the policy's current device. Built from a copy of the policy on first use, and built again
+        when the policy has moved since (Lightning moves the trainer's module after constructing it), so the
+        rollout runs where training runs (the Triton backend and CUDA graphs on a GPU), not on the CPU copy the
+        module started as; the policy version carries over."""
+        device = next(self._policy.parameters()).device
+        if self._engine is None or self._engine.device != device:
+            version = 0 if self._engine is None else self._engine.policy_version
+            self._engine = None  # free the old copy before making the new one
+            precision = rollout_precision(self.method, self.trace)
+            self._engine = Engine(engine_copy(self._policy).eval(), precision, backend=self.trace.backend,
+                                  cuda_graph=self.trace.cuda_graph)
+            self._engine.policy_version = version
+        return self._engine
 
     @property
     def policy_version(self) -> int:
@@ -113,7 +140,7 @@ class RolloutWorker(L.LightningModule):
         rewards = torch.tensor([env.score(problems[i // g], t) for i, t in enumerate(texts)], dtype=torch.float32)
         batch = self._align(prompts, out, rewards, g)
         n_new = sum(len(r) for r in out.responses)
-        batch.rollout_stats = {"rollout/tokens_per_s": n_new / max(elapsed, 1e-9), "rollout/seconds": elapsed}
+        batch.rollout_stats = {"rollout/tokens_per_s": n_new / max(elapsed, 1e-9), "time/rollout_s": elapsed}
         batch.samples = [
             {"prompt": problems[i // g].prompt, "response": texts[i], "reward": float(rewards[i])}
             for i in range(0, len(texts), max(1, len(texts) // 4))
@@ -156,14 +183,15 @@ class RolloutWorker(L.LightningModule):
     def _attach_records(self, batch: TrainBatch, out: RolloutBatch, capture: CaptureSpec) -> None:
         """Build each sequence's full record once; the guidance record is its compaction (mode, layers)."""
         start = time.perf_counter()
-        full = [QuantRecord.from_captures(c, r, out.policy_version, mode="full")
+        full = [QuantRecord.from_captures(c, r, out.policy_version, mode="full", model_id=self.engine.model_id)
                 for c, r in zip(out.captures, out.routes, strict=True)]
         if self.method.records:
             mode = self.method.guidance_mode or "full"
             batch.records = [f.compact(mode, layers=self.record_layers) for f in full]
         if self.audit_next:
             batch.audit_records = full
-        batch.rollout_stats["guidance/capture_ms"] = 1000 * (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        batch.rollout_stats["guidance/capture_ms"], batch.rollout_stats["time/records_s"] = 1000 * elapsed, elapsed
 
     def predict_step(self, batch: list[Problem], batch_idx: int) -> list[dict[str, Any]]:
         prompts = [self.encode_prompt(p) for p in batch]

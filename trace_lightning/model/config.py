@@ -7,9 +7,12 @@ families we load from Hugging Face, so a preset and a converted checkpoint build
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+MAX_EXPERTS = 2**15
+"""Routes travel as int16 expert ids (guidance.record.compact_routes)."""
 QKNorm = Literal["none", "head", "full"]
 RouterKind = Literal["softmax", "sigmoid"]
 
@@ -74,8 +77,27 @@ class MoEConfig:
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "moe_intermediate",
                     "n_experts", "top_k", "max_seq_len")
         for field in positive:
-            if getattr(self, field) <= 0:
-                raise ValueError(f"MoEConfig.{field} must be positive, got {getattr(self, field)}")
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"MoEConfig.{field} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"MoEConfig.{field} must be positive, got {value}")
+        for field in ("n_shared_experts", "shared_intermediate", "bf16_first_layers", "bf16_last_layers"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"MoEConfig.{field} must be an integer, got {value!r}")
+        for field in ("norm_topk_prob", "shared_expert_gate", "qkv_bias", "tie_embeddings"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"MoEConfig.{field} must be true or false, got {getattr(self, field)!r}")
+        for field, allow_zero in (("rope_theta", False), ("norm_eps", False), ("init_std", True)):
+            value = getattr(self, field)
+            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if not number or value < 0 or (value == 0 and not allow_zero):
+                raise ValueError(f"MoEConfig.{field} must be a finite number {'>=' if allow_zero else '>'} 0, "
+                                 f"got {value!r}")
+        if self.n_experts > MAX_EXPERTS:
+            raise ValueError(f"MoEConfig.n_experts must be <= {MAX_EXPERTS} (records store expert ids as int16), "
+                             f"got {self.n_experts}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
@@ -106,6 +128,18 @@ class MoEConfig:
     def kv_dim(self) -> int:
         """Width of the key (and of the value) projection, Hkv * Dh."""
         return self.n_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameters of the Transformer this config builds, by arithmetic: a checkpoint loader compares it
+        with the tensors on disk before building anything (a config that declares 10^9 experts is refused
+        in microseconds instead of allocating for a minute)."""
+        D, E, I, S = self.dim, self.n_experts, self.moe_intermediate, self.shared_intermediate
+        qkv = self.q_dim + 2 * self.kv_dim
+        qk_norm = {"none": 0, "head": 2 * self.head_dim, "full": self.q_dim + self.kv_dim}[self.qk_norm]
+        shared = 3 * S * D + (D if self.shared_expert_gate else 0) if self.n_shared_experts else 0
+        layer = 2 * D + qkv * D + (qkv if self.qkv_bias else 0) + self.q_dim * D + qk_norm + E * D + 3 * E * I * D
+        embeddings = self.vocab_size * D * (1 if self.tie_embeddings else 2) + D
+        return embeddings + self.n_layers * (layer + shared)
 
     def is_quantized_layer(self, layer: int) -> bool:
         """False for the bf16 boundary layers, where the model skips the quantization hook."""

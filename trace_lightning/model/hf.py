@@ -12,6 +12,7 @@ a half-loaded model behind.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from trace_lightning.model.config import MoEConfig
+from trace_lightning.model.hf_compressed import boundary_layers, dequantizing_reader
 from trace_lightning.model.model import Transformer
 
 FromHF = Callable[[list[Tensor], MoEConfig], Tensor]
@@ -212,27 +214,62 @@ def family_for(architecture: str) -> Family:
 
 # ---- config ------------------------------------------------------------------------------------------------------
 
+MAX_JSON_BYTES = 64 * 2**20
+"""Larger config / index / tokenizer-config files are refused unread (real ones are kilobytes to megabytes)."""
+
+
+def read_json_file(file: Path, what: str, error: type[ValueError] = ValueError) -> dict[str, Any]:
+    """A JSON object from a regular file of sane size; ``error`` naming the file otherwise (a FIFO, /dev/zero,
+    a directory, malformed JSON or a non-object are all refused before or instead of a raw exception)."""
+    if not file.is_file():
+        raise error(f"missing {what}: {file} is not a regular file")
+    if file.stat().st_size > MAX_JSON_BYTES:
+        raise error(f"{file}: {file.stat().st_size} bytes is too large for a {what} (limit {MAX_JSON_BYTES})")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise error(f"cannot read {file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise error(f"{file}: a {what} must be a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def _read_config_json(path: Path) -> dict[str, Any]:
     file = path / "config.json"
-    if not file.is_file():
+    if not file.exists():
         raise CheckpointError(f"missing config: no config.json in {path}")
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {file}: {e}") from e
+    return read_json_file(file, "config", CheckpointError)
 
 
 def config_from_hf(path: str | Path) -> MoEConfig:
     """Read a checkpoint folder's config.json into a MoEConfig (through transformers' config class, which
-    normalises legacy keys such as a top-level ``rope_theta``)."""
-    from transformers import AutoConfig
-
+    normalises legacy keys such as a top-level ``rope_theta``). Any malformed value is a CheckpointError
+    naming the file."""
     path = Path(path)
     raw = _read_config_json(path)
-    architecture = (raw.get("architectures") or [None])[0]
-    if architecture is None:
-        architecture = next((f.architecture for f in FAMILIES.values() if f.model_type == raw.get("model_type")),
-                            str(raw.get("model_type")))
+    try:
+        return _config_from_raw(path, raw)
+    except CheckpointError:
+        raise
+    except Exception as e:  # transformers and huggingface_hub raise many types for bad values
+        raise CheckpointError(f"{path / 'config.json'}: malformed config: {' '.join(str(e).split())}") from e
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    architectures = raw.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list) and
+                                          all(isinstance(a, str) for a in architectures)):
+        raise ValueError(f"'architectures' must be a list of names, got {architectures!r}")
+    if architectures:
+        return architectures[0]
+    model_type = raw.get("model_type")
+    return next((f.architecture for f in FAMILIES.values() if f.model_type == model_type), str(model_type))
+
+
+def _config_from_raw(path: Path, raw: dict[str, Any]) -> MoEConfig:
+    from transformers import AutoConfig
+
+    architecture = _architecture(raw)
     family = family_for(architecture)
     hf = AutoConfig.for_model(**raw)
     for key, value in family.requires.items():
@@ -244,6 +281,7 @@ def config_from_hf(path: str | Path) -> MoEConfig:
         raise CheckpointError(f"{path / 'config.json'}: unsupported rope type {rope['rope_type']!r}")
     values = {ours: getattr(hf, key) for key, ours in {**COMMON_FIELDS, **family.fields}.items()}
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
+    values.update(boundary_layers(path, raw, values["n_layers"]))  # an exported FP4 policy's bf16 layers
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     try:
         config = MoEConfig(name=path.name, hf_architecture=architecture, head_dim=head_dim,
@@ -280,11 +318,8 @@ class _SafetensorsReader:
 
     def __init__(self, path: Path) -> None:
         index, single = path / "model.safetensors.index.json", path / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
-                raise CheckpointError(f"cannot read {index}: {e}") from e
+        if index.exists():
+            weight_map = _weight_map(index)
             files = {name: path / name for name in sorted(set(weight_map.values()))}
         elif single.is_file():
             files = {single.name: single}
@@ -309,6 +344,16 @@ class _SafetensorsReader:
     def keys(self) -> set[str]:
         return set(self.weight_map)
 
+    def num_elements(self) -> int:
+        """Elements of every listed tensor, from the headers alone (nothing is read)."""
+        total = 0
+        for key, file in self.weight_map.items():
+            try:
+                total += math.prod(self.handles[file].get_slice(key).get_shape())
+            except Exception as e:  # safetensors raises its own error types for a key missing from a shard
+                raise CheckpointError(f"cannot read tensor {key!r} from {file}: {e}") from e
+        return total
+
     def get(self, key: str) -> Tensor:
         if key not in self.weight_map:
             raise CheckpointError(f"missing tensor {key!r} in the checkpoint")
@@ -317,6 +362,19 @@ class _SafetensorsReader:
             return self.handles[file].get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {key!r} from {file}: {e}") from e
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's {tensor: shard file}; shards must be plain relative names inside the checkpoint folder."""
+    weight_map = read_json_file(index, "safetensors index", CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name")
+    for name in set(weight_map.values()):
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
+            raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint folder")
+    return weight_map
 
 
 def _layer_rules(family: Family, c: MoEConfig) -> Iterator[tuple[int, Rule]]:
@@ -343,8 +401,29 @@ def _convert(rule: Rule, layer: int, reader: _SafetensorsReader, c: MoEConfig,
         t = reader.get(key)
         if t.shape != shape:
             raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)} for {c.name}")
+        _check_values(key, t)
         tensors.append(t)
     return ours, rule.from_hf(tensors, c), keys
+
+
+def _check_values(key: str, t: Tensor) -> None:
+    """Weights are floats and finite: an int or bool tensor cast to float, or a NaN that attention zeroes into
+    finite logits, would be garbage that no later check notices."""
+    if not t.is_floating_point():
+        raise CheckpointError(f"tensor {key!r} has dtype {t.dtype}; weights must be floating point")
+    if not bool(torch.isfinite(t).all()):
+        raise CheckpointError(f"tensor {key!r} holds {int((~torch.isfinite(t)).sum())} non-finite (NaN or inf) "
+                              "values")
+
+
+def _check_declared_size(path: Path, reader: _SafetensorsReader, c: MoEConfig) -> None:
+    """Refuse a config that declares far more parameters than the files hold before building even a meta model
+    (10^6 layers or 10^9 experts would otherwise allocate module trees and key lists for a minute). A few
+    missing tensors pass here and are named one by one by the per-tensor checks."""
+    held = reader.num_elements()
+    if c.num_parameters() > 2 * held:
+        raise CheckpointError(f"{path / 'config.json'} declares {c.num_parameters():,} parameters ({c.n_layers} "
+                              f"layers, {c.n_experts} experts) but the safetensors in {path} hold {held:,}")
 
 
 def _pick_layout(family: Family, reader: _SafetensorsReader, c: MoEConfig, layer: int) -> tuple[Rule, ...]:
@@ -359,7 +438,9 @@ def load_hf_state_dict(path: str | Path, config: MoEConfig, dtype: torch.dtype =
     """Our complete, validated state dict from a checkpoint folder (raises ``CheckpointError`` on any problem)."""
     path = Path(path)
     family = family_for(config.hf_architecture)
-    reader = _SafetensorsReader(path)
+    raw = _SafetensorsReader(path)
+    _check_declared_size(path, raw, config)  # counts stored elements: FP4 exports hold about half per weight
+    reader = dequantizing_reader(raw, path)  # FP4 Linears read as dense weights
     expected = _expected_shapes(config)
     jobs = list(_layer_rules(family, config))
     jobs += [(i, rule) for i in range(config.n_layers) for rule in _pick_layout(family, reader, config, i)]
@@ -431,7 +512,12 @@ def save_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf_state_dict(model)
+    config_to_hf(model.config, model.norm.weight.dtype).save_pretrained(str(path))
+    write_safetensors(to_hf_state_dict(model), path, max_shard_bytes)
+
+
+def write_safetensors(tensors: dict[str, Tensor], path: Path, max_shard_bytes: int = 5 * 2**30) -> None:
+    """``model.safetensors``, or shards of at most ``max_shard_bytes`` and their index, as transformers writes."""
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
     for key, t in tensors.items():
@@ -441,8 +527,6 @@ def save_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**
             size = 0
         shards[-1][key] = t
         size += nbytes
-    dtype = model.norm.weight.dtype
-    config_to_hf(model.config, dtype).save_pretrained(str(path))
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
         return

@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from trace_lightning.model.hf import read_json_file
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+MAX_TOKENIZER_BYTES = 1 << 30
 
 
 class Tokenizer(Protocol):
@@ -63,12 +65,9 @@ class HFTokenizer:
 
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
+        if not file.exists():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
-        try:
-            self.tok = _Tokenizer.from_file(str(file))
-        except Exception as e:  # tokenizers raises its own exception type
-            raise ValueError(f"cannot read tokenizer {file}: {e}") from e
+        self.tok = _read_tokenizer(file, _Tokenizer)
         specials = _special_tokens(file.parent / "tokenizer_config.json")
         self.bos_id = self._id(specials.get("bos_token"), (BOS, "<s>", "<|endoftext|>"))
         self.eos_id = self._id(specials.get("eos_token"), (EOS, "</s>", "<|endoftext|>", "<|im_end|>"))
@@ -98,11 +97,24 @@ class HFTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
 
+def _read_tokenizer(file: Path, cls: Any) -> Any:
+    """A ``tokenizers.Tokenizer`` from a regular file; ValueError naming the file for anything else, including
+    the Rust panics (``PanicException`` is a BaseException) that some malformed files raise."""
+    if not file.is_file() or file.stat().st_size > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"cannot read tokenizer {file}: not a regular file of at most {MAX_TOKENIZER_BYTES} bytes")
+    try:
+        return cls.from_file(str(file))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # tokenizers raises its own exception types, and panics
+        raise ValueError(f"cannot read tokenizer {file}: {type(e).__name__}: {e}") from e
+
+
 def _special_tokens(file: Path) -> dict[str, str]:
     """bos/eos/pad token strings from a tokenizer_config.json (strings or {"content": ...} dicts)."""
-    if not file.is_file():
+    if not file.exists():
         return {}
-    raw = json.loads(file.read_text())
+    raw = read_json_file(file, "tokenizer config")
     out = {}
     for key in ("bos_token", "eos_token", "pad_token"):
         value = raw.get(key)

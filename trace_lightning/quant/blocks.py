@@ -18,6 +18,16 @@ from torch import Tensor
 from trace_lightning.quant.e2m1 import check_float_input, decode_e2m1, encode_e2m1, pack_fp4, unpack_fp4
 
 
+def divide(x: Tensor, divisor: float) -> Tensor:
+    """x / divisor rounded once (IEEE division) on every device.
+
+    On CUDA, PyTorch computes a tensor divided by a Python number (or a CPU scalar tensor) as a multiply by the
+    float32 reciprocal, which rounds twice; on the CPU it divides. A divisor on x's own device is a true division
+    on both, so a quantizer gives the same bytes on CPU and GPU, and the Triton kernels' ``div_rn`` matches it.
+    """
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 def split_blocks(x: Tensor, block_size: int) -> Tensor:
     """View x [..., K] as float32 blocks [..., K/block, block], checking K."""
     check_float_input(x)

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from trace_lightning.quant.blocks import BlockFP4, encode_scaled, split_blocks
+from trace_lightning.quant.blocks import BlockFP4, divide, encode_scaled, split_blocks
 from trace_lightning.quant.e2m1 import E2M1_MAX, pack_fp4
 
 MXFP4_BLOCK = 32
@@ -67,7 +67,7 @@ def mx_scale_bytes(blocks: Tensor, mode: str) -> Tensor:
         exponent = (torch.bitwise_right_shift(amax.view(torch.int32), 23) & 0xFF) - E8M0_BIAS - _E2M1_MAX_POW2
         biased = (torch.clamp(exponent, min=-E8M0_BIAS, max=E8M0_BIAS + 1) + E8M0_BIAS).to(torch.uint8)
     else:
-        exponent = torch.clamp(torch.ceil(torch.log2(amax / E2M1_MAX)), min=-E8M0_BIAS, max=E8M0_BIAS)
+        exponent = torch.clamp(torch.ceil(torch.log2(divide(amax, E2M1_MAX))), min=-E8M0_BIAS, max=E8M0_BIAS)
         biased = (exponent + E8M0_BIAS).to(torch.uint8)
     return biased.masked_fill(~torch.isfinite(amax), E8M0_NAN)
 

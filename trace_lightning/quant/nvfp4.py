@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from trace_lightning.quant.blocks import BlockFP4, encode_scaled, split_blocks
+from trace_lightning.quant.blocks import BlockFP4, divide, encode_scaled, split_blocks
 from trace_lightning.quant.e2m1 import E2M1_MAX, check_float_input, pack_fp4
 
 NVFP4_BLOCK = 16
@@ -72,21 +72,21 @@ def row_global_scale(x: Tensor) -> Tensor:
     """Per-row global scale amax_row / (448 * 6), shape [..., 1]: a row never depends on its batch."""
     check_float_input(x)
     amax = x.float().abs().amax(dim=-1, keepdim=True)
-    return torch.clamp(amax / (E4M3_MAX * E2M1_MAX), min=GLOBAL_SCALE_FLOOR)
+    return torch.clamp(divide(amax, E4M3_MAX * E2M1_MAX), min=GLOBAL_SCALE_FLOOR)
 
 
 def tensor_global_scale(w: Tensor, dims: int = 2) -> Tensor:
     """Per-matrix global scale over the last `dims` dims (per expert for stacked [E, out, in] weights)."""
     check_float_input(w)
     amax = w.float().abs().amax(dim=tuple(range(-dims, 0)), keepdim=True)
-    scale = torch.clamp(amax / (E4M3_MAX * E2M1_MAX), min=GLOBAL_SCALE_FLOOR)
+    scale = torch.clamp(divide(amax, E4M3_MAX * E2M1_MAX), min=GLOBAL_SCALE_FLOOR)
     return scale.reshape(scale.shape[:-1]) if dims > 1 else scale
 
 
 def nvfp4_scales(blocks: Tensor, global_scale: Tensor | None) -> Tensor:
     """E4M3 block scales [..., nb] for float32 blocks [..., nb, 16], NaN where a block is non-finite."""
     amax = blocks.abs().amax(dim=-1)
-    block_scale = amax / E2M1_MAX
+    block_scale = divide(amax, E2M1_MAX)
     if global_scale is not None:
         block_scale = block_scale / global_scale
     scales = torch.clamp(block_scale, min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn)

@@ -27,15 +27,7 @@ from torch import Tensor, nn
 from trace_lightning.model.config import MoEConfig
 from trace_lightning.model.hooks import QuantHook
 from trace_lightning.model.model import Experts, Linear
-from trace_lightning.quant import (
-    NVFP4,
-    BlockFP4,
-    FP4Format,
-    parse_format,
-    quantize_mxfp4,
-    quantize_nvfp4,
-    tensor_global_scale,
-)
+from trace_lightning.quant import NVFP4, BlockFP4, FP4Format, parse_format, quantize_weight
 from trace_lightning.quant.words import canonical
 from trace_lightning.rollout.capture import FP4ActivationHook
 
@@ -53,15 +45,6 @@ def is_fp4_weight(name: str, config: MoEConfig | None = None) -> bool:
     """True for the matrices the rollout holds in FP4 (outside the config's boundary layers, if given)."""
     m = FP4_WEIGHT_NAME.match(name)
     return m is not None and (config is None or config.is_quantized_layer(int(m.group(1))))
-
-
-def quantize_weight(w: Tensor, fmt: FP4Format | str) -> BlockFP4:
-    """FP4 of a weight [N, K] or stacked [E, N, K] exactly as given: per-matrix (per-expert) NVFP4 global scale."""
-    fmt = parse_format(fmt)
-    if fmt.kind == "mxfp4":
-        return quantize_mxfp4(w, fmt.mx_mode)
-    g = tensor_global_scale(w, dims=2)  # [1] for a matrix, [E, 1] for stacked experts
-    return quantize_nvfp4(w, g.reshape(*w.shape[:-2], 1, 1) if w.dim() > 2 else g)
 
 
 def _bytes(t: Tensor) -> bytes:

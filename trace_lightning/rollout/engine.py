@@ -13,14 +13,18 @@ The engine owns the model it is given: it converts it in place (FP4 modules, com
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from trace_lightning.guidance.record import tensor_digests, weights_fingerprint
 from trace_lightning.model.model import Attention, ModelOutput, RMSNorm, Router
 from trace_lightning.ops import backend_for, is_triton
 from trace_lightning.rollout.batch import CaptureSpec, FinishReason, RolloutBatch, SamplingParams
@@ -37,13 +41,16 @@ from trace_lightning.rollout.decode import DecodeLoop, DecodeState
 from trace_lightning.rollout.precision import FP4Precision, resolve_precision
 from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
 
+if TYPE_CHECKING:
+    from trace_lightning.kernels import KernelOptions
+
 
 class Engine:
     """Generates from ``model`` at ``precision`` ("fp32", "bf16" or an FP4Precision) on the model's device."""
 
     def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
                  sync_every: int = 8, fused_attention: bool | None = None, fused_norms: bool | None = None,
-                 cuda_graph: bool = True) -> None:
+                 cuda_graph: bool = True, kernel_options: KernelOptions | None = None) -> None:
         self.compute_dtype, self.fp4 = resolve_precision(precision)
         self.precision = precision
         self.config = model.config
@@ -54,7 +61,12 @@ class Engine:
         # attention over the packed FP4 cache (one kernel reading 4.5-bit K/V); default on for Triton, where the
         # dequantize-then-SDPA fallback would move more bytes than a bf16 cache
         self.fused_attention = is_triton(self.ops) if fused_attention is None else fused_attention
+        if kernel_options is not None and not is_triton(self.ops):
+            raise ValueError(f"kernel_options configure the Triton kernels; this engine runs {self.ops.__name__}")
+        self.kernel_options = kernel_options  # how the Triton kernels launch (autotune, shapes, PDL); None: defaults
         self.policy_version = 0
+        check_weights(model.state_dict(), "Engine")
+        self._digests = tensor_digests(model.state_dict())  # master weights, before any FP4 conversion or cast
         model.eval().requires_grad_(False)
         self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
         with torch.no_grad():
@@ -79,7 +91,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  capture: CaptureSpec | None = None) -> RolloutBatch:
         """Sample a response per prompt; see RolloutBatch for what comes back and how rows align."""
-        max_new, seeds = self._validate(prompts, params)
+        prompts, max_new, seeds = self._validate(prompts, params)
         c, B, dev = self.config, len(prompts), self.device
         lens = [len(p) for p in prompts]
         P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
@@ -103,6 +115,7 @@ class Engine:
         loop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder), draw, state, cache,
                           self.sync_every, self.cuda_graph and dev.type == "cuda")
         steps = 1 + loop.run(N - 1, visible=lambda i: min(P + i, S))
+        self._check_finite_logprobs(logprobs)
         out = self._collect(prompts, max_new, tokens, logprobs, params, recorder, capture)
         out.stats = {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
                      "decode_steps": float(steps), "new_tokens": float(sum(len(r) for r in out.responses)),
@@ -131,7 +144,9 @@ class Engine:
     def _forward(self, ids: Tensor, positions: Tensor, cache: KVCache, hook: FP4ActivationHook | None,
                  recorder: Recorder) -> Tensor:
         recorder.positions = positions
-        out: ModelOutput = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True)
+        options = self.kernel_options
+        with self.ops.kernel_options(options) if options is not None else contextlib.nullcontext():
+            out: ModelOutput = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True)
         recorder.observe_routes(out.routes)
         return out.logits
 
@@ -162,28 +177,36 @@ class Engine:
             raise ValueError(f"capture needs FP4 activations or an FP4 KV cache; precision is {self.precision!r}")
         return frozenset(i for i in capture.layer_set(self.config.n_layers) if self.config.is_quantized_layer(i))
 
-    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[int], list[int]]:
-        """Per-prompt max_new_tokens and seeds; every bad input is a ValueError naming its prompt."""
-        if not prompts:
-            raise ValueError("generate needs at least one prompt")
+    def _validate(self, prompts: list[list[int]],
+                  params: SamplingParams) -> tuple[list[list[int]], list[int], list[int]]:
+        """Prompts as plain int lists, per-prompt max_new_tokens and seeds; every bad input is a ValueError
+        naming its prompt. Integer types (numpy, 0-d tensors) are accepted; bools and floats are not."""
+        if not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("generate needs a non-empty list of prompts (lists of token ids)")
         n, V, S = len(prompts), self.config.vocab_size, self.config.max_seq_len
         max_new = _per_prompt(params.max_new_tokens, n, "max_new_tokens")
-        seeds = sequence_seeds(params.seed, n) if isinstance(params.seed, int) else _per_prompt(params.seed, n, "seed")
+        seeds = (sequence_seeds(_as_id(params.seed, "seed"), n) if _is_integer(params.seed)
+                 else _per_prompt(params.seed, n, "seed"))
         for t in params.stop_token_ids:
-            if not 0 <= t < V:
-                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {V})")
-        for i, (p, m) in enumerate(zip(prompts, max_new, strict=True)):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty")
+            if not _is_integer(t) or not 0 <= int(t) < V:
+                raise ValueError(f"stop token id {t!r} is not an id in [0, {V})")
+        ids = [_prompt_ids(i, p, V) for i, p in enumerate(prompts)]
+        for i, (p, m) in enumerate(zip(ids, max_new, strict=True)):
             if m < 1:
                 raise ValueError(f"prompt {i}: max_new_tokens must be >= 1, got {m}")
-            bad = next((j for j, t in enumerate(p) if not isinstance(t, int) or not 0 <= t < V), None)
-            if bad is not None:
-                raise ValueError(f"prompt {i}: token {p[bad]!r} at position {bad} is not an id in [0, {V})")
             if len(p) + m > S:
                 raise ValueError(f"prompt {i}: {len(p)} prompt tokens + {m} new tokens exceed the model's "
                                  f"max_seq_len {S}")
-        return max_new, seeds
+        return ids, max_new, seeds
+
+    def _check_finite_logprobs(self, logprobs: Tensor) -> None:
+        """Non-finite logits mean non-finite weights (or activations): fail naming the tensor, never return
+        token 0 with NaN logprobs. One check per call, on the host sync the result needs anyway."""
+        if bool(torch.isfinite(logprobs).all()):
+            return
+        check_weights(self._dense, "generate")
+        raise ValueError("generate: non-finite logprobs although every weight is finite (an activation "
+                         "overflowed)")
 
     def _collect(self, prompts: list[list[int]], max_new: list[int], tokens: Tensor, logprobs: Tensor,
                  params: SamplingParams, recorder: Recorder, capture: CaptureSpec | None) -> RolloutBatch:
@@ -208,17 +231,15 @@ class Engine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Mapping[str, Tensor], version: int) -> None:
         """Load master weights by name (any subset of the model's state dict), re-quantizing the FP4 ones
-        from exactly the tensors given; then set the policy version. Checked in full before anything changes."""
+        from exactly the tensors given; then set the policy version. All or nothing: every tensor (name,
+        shape, dtype, finite values) and the version are checked before anything changes."""
+        if not _is_integer(version) or int(version) < self.policy_version:
+            raise ValueError(f"update_weights: policy version {version!r} must be an integer >= the current "
+                             f"{self.policy_version} (versions never go backwards)")
         for name, t in named_tensors.items():
-            if name in self._fp4_weights:
-                module, key = self._fp4_weights[name]
-                shape = tuple(module.quantized()[key].shape)
-            elif name in self._dense:
-                shape = tuple(self._dense[name].shape)
-            else:
-                raise ValueError(f"update_weights: unknown tensor {name!r}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            self._check_update(name, t)
+        check_weights(named_tensors, "update_weights")
+        self._digests.update(tensor_digests(named_tensors))
         for name, t in named_tensors.items():
             if name in self._fp4_weights:
                 module, key = self._fp4_weights[name]
@@ -226,6 +247,24 @@ class Engine:
             else:
                 self._dense[name].copy_(t.detach().to(self.device, self.compute_dtype))
         self.policy_version = int(version)
+
+    def _check_update(self, name: str, t: Tensor) -> None:
+        if name in self._fp4_weights:
+            module, key = self._fp4_weights[name]
+            shape = tuple(module.quantized()[key].shape)
+        elif name in self._dense:
+            shape = tuple(self._dense[name].shape)
+        else:
+            raise ValueError(f"update_weights: unknown tensor {name!r}")
+        if not isinstance(t, Tensor):
+            raise ValueError(f"update_weights: {name!r} is a {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+
+    @property
+    def model_id(self) -> str:
+        """Fingerprint of the master weights the engine was built or last updated from (records carry it)."""
+        return weights_fingerprint(self._digests)
 
     def weight_checksums(self) -> dict[str, str]:
         """{name: sha256 of the FP4 bytes the engine computes with} for every FP4 weight."""
@@ -240,10 +279,58 @@ class Engine:
         check_weight_checksums(expected, self.weight_checksums())
 
 
-def _per_prompt(value: int | Sequence[int], n: int, what: str) -> list[int]:
-    if isinstance(value, int):
-        return [value] * n
-    values = list(value)
-    if len(values) != n:
-        raise ValueError(f"{what} has {len(values)} values for {n} prompts")
-    return values
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_weights(named: Mapping[str, Tensor], where: str) -> None:
+    """ValueError naming the first weight that is not a float tensor or holds NaN or inf: such weights would
+    sample token 0 with NaN logprobs, or (NaN in k_proj) be zeroed by attention into finite garbage.
+    One host sync for all tensors; the tensor at fault is searched for only when something is wrong."""
+    for name, t in named.items():
+        if t.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"{where}: weight {name!r} has dtype {t.dtype}; expected one of "
+                             f"{', '.join(str(d) for d in WEIGHT_DTYPES)}")
+    finite = [torch.isfinite(t).all() for t in named.values()]
+    if not finite or bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
+        return
+    name, t = next((n, t) for (n, t), ok in zip(named.items(), finite, strict=True) if not bool(ok))
+    raise ValueError(f"{where}: weight {name!r} holds {int((~torch.isfinite(t)).sum())} non-finite (NaN or inf) "
+                     "values")
+
+
+def _is_integer(value: object) -> bool:
+    """Python, numpy and 0-d torch integers; not bools (True is not a token id) and not floats."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool or type(value).__name__ == "bool_":
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _as_id(value: object, what: str) -> int:
+    if not _is_integer(value):
+        raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(operator.index(value))
+
+
+def _prompt_ids(i: int, prompt: object, vocab: int) -> list[int]:
+    if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence | Tensor):
+        raise ValueError(f"prompt {i} must be a list of token ids, got {prompt!r:.60}")
+    if len(prompt) == 0:
+        raise ValueError(f"prompt {i} is empty")
+    for j, t in enumerate(prompt):
+        if not _is_integer(t) or not 0 <= int(t) < vocab:
+            raise ValueError(f"prompt {i}: token {t!r} at position {j} is not an id in [0, {vocab})")
+    return [int(t) for t in prompt]
+
+
+def _per_prompt(value: object, n: int, what: str) -> list[int]:
+    if _is_integer(value):
+        return [_as_id(value, what)] * n
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise ValueError(f"{what} must be an integer or one integer per prompt, got {value!r}")
+    if len(value) != n:
+        raise ValueError(f"{what} has {len(value)} values for {n} prompts")
+    return [_as_id(v, f"{what}[{i}]") for i, v in enumerate(value)]

@@ -1,0 +1,19 @@
+"""conf/gpu.yaml stacks on conf/sim.yaml into a one-GPU TRACE run (parsed only: CI has no GPU)."""
+
+from pathlib import Path
+
+from trace_lightning.lit.cli import main
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def test_gpu_config_stacks_on_sim() -> None:
+    parser = main(["--config", str(CONF / "sim.yaml")], run=False).parser
+    ns = parser.parse_args(["--config", str(CONF / "sim.yaml"), "--config", str(CONF / "gpu.yaml")])
+    assert ns.trainer.accelerator == "gpu" and ns.trainer.devices == 1
+    assert ns.model.model == "small-moe" and ns.data.env == "countdown"
+    assert ns.model.trace.method == "trace_compact" and ns.model.trace.backend == "auto"
+    assert ns.model.rollout.prompts_per_step * ns.model.rollout.group_size == 512
+    callbacks = [c.class_path.rsplit(".", 1)[-1] for c in ns.trainer.callbacks]
+    assert callbacks[:4] == ["WeightSync", "CacheExchange", "DepthSelectiveCompaction", "MismatchMonitor"]
+    assert ns.trainer.callbacks[0].init_args.audit_every > 0  # the weight audit stays on

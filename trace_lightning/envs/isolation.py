@@ -1,0 +1,198 @@
+"""The outer wall around model-written code: bubblewrap namespaces plus a seccomp filter.
+
+The sandboxed interpreter runs under `bwrap` (Debian/Ubuntu package `bubblewrap`) in new user, PID,
+network, IPC, UTS, cgroup and mount namespaces, as uid/gid 65534 with an empty capability bounding set
+and no_new_privs (setuid binaries give nothing), on a root that holds only read-only binds of /usr and
+the Python installation, a private size-capped /tmp, the /proc of its own PID namespace and a read-only
+minimal /dev. The environment is cleared; it dies with its parent. A root trainer starts bwrap as
+uid 65534 when that uid can execute the interpreter; otherwise the sandbox's processes keep the
+trainer's uid outside their namespaces, without any capability.
+
+A seccomp filter (built here as classic BPF, no libseccomp needed) refuses process creation
+(fork, vfork, clone, clone3: this is what stops fork bombs even when the trainer runs as root, where
+the kernel ignores RLIMIT_NPROC) and the kernel surfaces a verifier never needs: ptrace, pidfds,
+mount and namespace calls, keyrings, bpf, io_uring, mknod, renice, re-pinning and friends.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import stat
+import struct
+import subprocess
+import sys
+from typing import Any
+
+BWRAP = "bwrap"
+INSTALL_HINT = (
+    "install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap`, Fedora: `dnf install bubblewrap`, "
+    "Arch: `pacman -S bubblewrap`)"
+)
+
+SANDBOX_UID = 65534
+TMP_BYTES = 16 << 20
+
+# Syscalls refused with EPERM, by name; numbers per architecture (from the kernel's unistd headers).
+DENIED = (
+    "fork vfork clone clone3 ptrace process_vm_readv process_vm_writev pidfd_open pidfd_send_signal pidfd_getfd "
+    "kcmp keyctl add_key request_key unshare setns mount umount2 pivot_root chroot fsopen fsconfig fsmount fspick "
+    "move_mount open_tree mount_setattr bpf perf_event_open userfaultfd io_uring_setup io_uring_enter "
+    "io_uring_register kexec_load kexec_file_load init_module finit_module delete_module open_by_handle_at "
+    "mknod mknodat acct swapon swapoff reboot syslog quotactl setpriority sched_setaffinity ioprio_set personality"
+).split()
+_GENERIC = {"clone3": 435, "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "fsopen": 430,
+            "fsconfig": 431, "fsmount": 432, "fspick": 433, "move_mount": 429, "open_tree": 428,
+            "mount_setattr": 442, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
+_X86_64 = _GENERIC | {
+    "fork": 57, "vfork": 58, "clone": 56, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+    "kcmp": 312, "keyctl": 250, "add_key": 248, "request_key": 249, "unshare": 272, "setns": 308, "mount": 165,
+    "umount2": 166, "pivot_root": 155, "chroot": 161, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+    "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313, "delete_module": 176,
+    "open_by_handle_at": 304, "mknod": 133, "mknodat": 259, "acct": 163, "swapon": 167, "swapoff": 168,
+    "reboot": 169, "syslog": 103, "quotactl": 179, "setpriority": 141, "sched_setaffinity": 203,
+    "ioprio_set": 251, "personality": 135,
+}
+_AARCH64 = _GENERIC | {
+    "clone": 220, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "keyctl": 219,
+    "add_key": 217, "request_key": 218, "unshare": 97, "setns": 268, "mount": 40, "umount2": 39,
+    "pivot_root": 41, "chroot": 51, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "kexec_load": 104,
+    "kexec_file_load": 294, "init_module": 105, "finit_module": 273, "delete_module": 106,
+    "open_by_handle_at": 265, "mknodat": 33, "acct": 89, "swapon": 224, "swapoff": 225, "reboot": 142,
+    "syslog": 116, "quotactl": 60, "setpriority": 140, "sched_setaffinity": 122, "ioprio_set": 30,
+    "personality": 92,
+}
+# machine -> (AUDIT_ARCH_* value, syscall numbers, first number of a foreign ABI sharing the arch or None)
+ARCHES = {"x86_64": (0xC000003E, _X86_64, 0x40000000), "aarch64": (0xC00000B7, _AARCH64, None)}
+
+_LD_ABS_W, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06
+_ALLOW, _KILL_PROCESS, _ERRNO_EPERM = 0x7FFF0000, 0x80000000, 0x00050000 | 1
+
+
+class SandboxUnavailable(RuntimeError):
+    """The isolation the caller asked for cannot be set up on this machine."""
+
+
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """A classic-BPF seccomp program (struct sock_filter[]) that refuses DENIED with EPERM.
+
+    A foreign architecture (e.g. 32-bit syscalls) kills the process, since the numbers would not match.
+    """
+    machine = machine or platform.machine()
+    if machine not in ARCHES:
+        raise SandboxUnavailable(f"no seccomp syscall table for architecture {machine!r}; known: {sorted(ARCHES)}")
+    arch, numbers, foreign_abi = ARCHES[machine]
+    nrs = sorted({numbers[name] for name in DENIED if name in numbers})
+    checks = ([(_JGE, foreign_abi)] if foreign_abi is not None else []) + [(_JEQ, nr) for nr in nrs]
+    n = len(checks)
+    prog = [(_LD_ABS_W, 0, 0, 4), (_JEQ, 0, n + 3, arch), (_LD_ABS_W, 0, 0, 0)]  # arch at 4, nr at 0
+    prog += [(op, n - i, 0, k) for i, (op, k) in enumerate(checks)]  # true -> EPERM
+    prog += [(_RET, 0, 0, _ALLOW), (_RET, 0, 0, _ERRNO_EPERM), (_RET, 0, 0, _KILL_PROCESS)]
+    return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
+
+
+def interpreter() -> tuple[str, str]:
+    """The real (symlink-free) Python executable and the installation prefix that holds its stdlib."""
+    return os.path.realpath(sys.executable), os.path.realpath(sys.base_prefix)
+
+
+def _others_can_run(path: str) -> bool:
+    """Whether a user with no special access can reach and execute path (o+x on it and every parent)."""
+    while True:
+        if not os.stat(path).st_mode & stat.S_IXOTH:
+            return False
+        if path == "/":
+            return True
+        path = os.path.dirname(path)
+
+
+def spawn_user() -> dict[str, Any]:
+    """subprocess.Popen arguments that start bwrap as uid/gid 65534 when the trainer is root.
+
+    Then the sandbox's processes are nobody outside their namespaces too, so RLIMIT_NPROC binds them and
+    the kernel checks file access as nobody. Only possible when nobody can execute the interpreter
+    (not for one under a 0700 /root); otherwise the sandbox runs as the trainer's uid, as it does for
+    non-root trainers anyway.
+    """
+    if os.geteuid() != 0 or not all(_others_can_run(p) for p in interpreter()):
+        return {}
+    return {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+
+
+def _root_binds() -> list[str]:
+    """ro-binds (or symlinks, where the host has merged /usr) of the system dirs an interpreter loads from."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    exe, prefix = interpreter()
+    bound = ["/usr"]
+    for path in (prefix, os.path.dirname(exe)):
+        if not any(os.path.commonpath([path, root]) == root for root in bound):
+            args += ["--ro-bind", path, path]
+            bound.append(path)
+    return args
+
+
+def bwrap_argv(seccomp_fd: int, info_fd: int) -> list[str]:
+    """The bwrap command line up to (not including) the sandboxed command."""
+    return [
+        BWRAP,
+        "--unshare-all", "--unshare-user", "--disable-userns",
+        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+        "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL",
+        *_root_binds(),
+        "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+        "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+        "--remount-ro", "/", "--chdir", "/tmp",
+        "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd),
+        "--",
+    ]  # fmt: skip
+
+
+@functools.cache
+def bwrap_problem() -> str | None:
+    """Why bwrap cannot isolate code here (missing, or namespaces refused), or None when it works."""
+    if shutil.which(BWRAP) is None:
+        return f"the `{BWRAP}` executable was not found on PATH; {INSTALL_HINT}"
+    try:
+        seccomp_filter()
+    except SandboxUnavailable as e:
+        return str(e)
+    r_info, w_info = os.pipe()
+    seccomp = os.memfd_create("tl-seccomp")
+    try:
+        os.write(seccomp, seccomp_filter())
+        os.lseek(seccomp, 0, os.SEEK_SET)
+        argv = bwrap_argv(seccomp, w_info) + [interpreter()[0], "-I", "-S", "-c", "pass"]
+        proc = subprocess.run(
+            argv, pass_fds=(seccomp, w_info), capture_output=True, timeout=30, check=False, cwd="/", **spawn_user()
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"`{BWRAP}` could not run a sandboxed Python: {e!r}"
+    finally:
+        for fd in (r_info, w_info, seccomp):
+            os.close(fd)
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip()[:300]
+        return f"`{BWRAP}` is installed but could not run a sandboxed Python (exit {proc.returncode}): {err}"
+    return None
+
+
+def require_isolation(isolation: str) -> None:
+    """Raise SandboxUnavailable unless `isolation` ("bwrap" or the explicit weaker "none") can be used."""
+    if isolation == "none":
+        return
+    if isolation != "bwrap":
+        raise ValueError(f"unknown isolation {isolation!r}; use 'bwrap' or, knowingly weaker, 'none'")
+    problem = bwrap_problem()
+    if problem is not None:
+        raise SandboxUnavailable(
+            f"model-written code runs under bubblewrap, which is unusable here: {problem}. "
+            "To run it without namespaces (rlimits and an audit hook only; not safe against hostile code), "
+            "pass isolation='none' explicitly."
+        )
