@@ -312,7 +312,8 @@ def test_two_process_fit_of_the_sim_config(tmp_path: Path) -> None:
             "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
             "--model.rollout.prompts_per_step", "4", "--model.rollout.group_size", "4",
             "--data.demo_batch_size", "8", "--data.eval_size", "8"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    launched = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")  # earlier fits' env
+    env = {**{k: v for k, v in os.environ.items() if k not in launched}, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-m", "trace_lightning.lit.cli", "fit", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
