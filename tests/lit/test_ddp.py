@@ -388,3 +388,14 @@ def test_evaluation_is_split_across_ranks_and_the_accuracy_gathered(runs: dict[s
     for key in ("eval/accuracy", "eval/bf16_accuracy"):
         assert 0.0 < one[key] < 1.0, "the fixture should give a graded accuracy"
         assert two[key] == pytest.approx(one[key], rel=TOL, abs=TOL), key
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp"])
+def test_scaling_configs_stack_on_the_gpu_config(config: str) -> None:
+    # Parse only (no CUDA here): the GPU run's batch sizes split across the 2 ranks the config asks for.
+    cli = main(["--config", str(ROOT / "conf/sim.yaml")], run=False)
+    args = [arg for name in ("sim", "gpu", config) for arg in ("--config", str(ROOT / f"conf/{name}.yaml"))]
+    namespace = cli.parser.parse_args(args)
+    assert (namespace.trainer.accelerator, namespace.trainer.devices) == ("gpu", 2)
+    for size in (namespace.model.rollout.prompts_per_step, namespace.data.demo_batch_size, namespace.data.eval_size):
+        assert size % 8 == 0  # also splits over 8 GPUs
