@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import lightning as L
@@ -13,7 +15,7 @@ from trace_lightning.guidance.record import ModelIdentity
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.tensorboard import SITE_ORDER, agreement_heatmap, log_measured, write_layout
 from trace_lightning.lit.timing import device_time
-from trace_lightning.rl import mismatch_metrics, token_logprobs
+from trace_lightning.rl import MismatchMetric, mismatch_metrics, token_logprobs
 from trace_lightning.rollout import check_weight_checksums, fp4_weight_checksums
 
 
@@ -24,31 +26,55 @@ class WeightSyncError(RuntimeError):
 class WeightSync(L.Callback):
     """After every optimizer step, stream the master weights to the worker, which re-quantizes them to FP4."""
 
-    def __init__(self, audit_every: int = 10) -> None:
+    def __init__(self, audit_every: int = 10, bucket_mb: int = 256) -> None:
         """
         Args:
-            audit_every: Every N syncs compare the worker's FP4 byte checksums with the trainer's own (0: never).
+            audit_every: Every N syncs compare the worker's FP4 byte checksums with the trainer's own (0: never),
+                and, with several ranks, every rank's checksums with rank 0's.
+            bucket_mb: Size of the weight buckets streamed to the worker (under FSDP, one all-gather each).
         """
-        self.audit_every = audit_every
+        self.audit_every, self.bucket_mb = audit_every, bucket_mb
 
     def _sync(self, module: Any, log: bool = True) -> None:
-        named = module.named_weights_for_sync()
-        start = device_time(module.device)
-        module.worker.sync(named, module.policy_version)
+        audit = bool(self.audit_every) and module.policy_version % self.audit_every == 0 and module.method.rollout_fp4
+        ours: dict[str, str] = {}
+        sync_s = 0.0
+        for bucket in module.weight_buckets(self.bucket_mb << 20):
+            start = device_time(module.device)
+            module.worker.sync(bucket, module.policy_version)
+            sync_s += device_time(module.device) - start
+            if audit:
+                ours |= fp4_weight_checksums(bucket, module.fmt, config=module.policy.config)
         if log:  # after the optimizer step: global_step already counts the step this sync follows
-            log_measured(module, {"time/sync_s": device_time(module.device) - start}, module.global_step - 1)
-        if self.audit_every and module.policy_version % self.audit_every == 0 and module.method.rollout_fp4:
-            self.audit(module, named)
+            log_measured(module, {"time/sync_s": sync_s}, module.global_step - 1)
+        if audit:
+            self.check(module, ours)
+            self.check_ranks_agree(module, ours)
 
     @staticmethod
     def audit(module: Any, named: dict[str, Tensor]) -> int:
         """Compare both sides' FP4 weight checksums; returns how many tensors were compared."""
         ours = fp4_weight_checksums(named, module.fmt, config=module.policy.config)
+        WeightSync.check(module, ours)
+        return len(ours)
+
+    @staticmethod
+    def check(module: Any, ours: dict[str, str]) -> None:
+        """The worker's FP4 bytes are the trainer's quantization of its own master weights."""
         try:
             check_weight_checksums(ours, module.worker.weight_checksums())
         except ValueError as err:
             raise WeightSyncError(f"policy version {module.policy_version}: {err}") from err
-        return len(ours)
+
+    @staticmethod
+    def check_ranks_agree(module: Any, ours: dict[str, str]) -> None:
+        """Every data-parallel rank holds rank 0's weights (DDP's replicas must stay identical); all ranks raise."""
+        strategy = module.trainer.strategy
+        digest = hashlib.sha256(json.dumps(ours, sort_keys=True).encode()).hexdigest()
+        agree = strategy.reduce_boolean_decision(digest == strategy.broadcast(digest, src=0), all=True)
+        if not agree:
+            raise WeightSyncError(f"policy version {module.policy_version}: the ranks' FP4 weights differ from "
+                                  "rank 0's (the data-parallel replicas have diverged)")
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
         self._sync(module, log=False)
@@ -76,9 +102,10 @@ class CacheExchange(L.Callback):
             received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt,
                                              model=model)
             batch.record = collate_records(received, pad_to=width)
-            metrics = self.exchange.metrics()
+            metrics = self.exchange.metrics()  # bytes summed over ranks, the rest rank means
             per_token = metrics.pop("guidance/bytes_per_token")
-            log_measured(module, metrics, module.global_step, batch.tokens.shape[0])
+            sums = [key for key in metrics if key.endswith("_bytes")]
+            log_measured(module, metrics, module.global_step, batch.tokens.shape[0], sums=sums)
             if per_token != self._bytes_per_token:  # changes only with the layer policy: drawn when it does
                 self._bytes_per_token = per_token
                 log_measured(module, {"guidance/bytes_per_token": per_token}, module.global_step, every_step=True)
@@ -178,8 +205,10 @@ class MismatchMonitor(L.Callback):
         if not isinstance(batch, TrainBatch) or not isinstance(outputs, dict):
             return
         n, step = batch.tokens.shape[0], trainer.global_step - 1  # global_step already counts this step
-        metrics = {**batch.rollout_stats, **mismatch_metrics(outputs["logprobs"], batch.rollout_logprobs,
-                                                             batch.response_mask)}
+        # Over every rank's tokens: the metric's sufficient statistics are summed across ranks in compute().
+        mismatch = MismatchMetric().to(outputs["logprobs"].device)
+        mismatch.update(outputs["logprobs"], batch.rollout_logprobs, batch.response_mask)
+        metrics = {**batch.rollout_stats, **mismatch.compute()}
         if batch.routes is not None and not module.trace.route_replay:
             agree = route_agreement(outputs["routes"], batch.routes, batch.response_mask)
             metrics["moe/route_agreement"] = sum(agree) / len(agree)
@@ -187,7 +216,8 @@ class MismatchMonitor(L.Callback):
         hook = outputs.get("hook")
         audit = getattr(hook, "agreement", None) or {}
         log_measured(module, {**agreement_metrics(audit), **self._reference}, step, n, every_step=True)
-        self._tensorboard(trainer, batch, audit, step)
+        if trainer.is_global_zero:
+            self._tensorboard(trainer, batch, audit, step)
 
     def _tensorboard(self, trainer: L.Trainer, batch: TrainBatch, audit: dict[tuple[int, str], Any],
                      step: int) -> None:

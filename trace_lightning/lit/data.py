@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from trace_lightning.envs import Env, Problem, make_env
 from trace_lightning.lit.batch import DemoBatch, TrainBatch, pad_sequences, response_targets
+from trace_lightning.lit.parallel import DataParallel
+from trace_lightning.rollout.sampling import sequence_seeds
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class RLDataModule(L.LightningDataModule):
     def demo_batch(self, step: int) -> DemoBatch:
         module = self.trainer.lightning_module
         tok = module.tokenizer
-        problems = self._problems(self.demo_batch_size, step)
+        problems = module.data_parallel.share(self._problems(self.demo_batch_size, step), "data.demo_batch_size")
         prompts = [[tok.bos_id, *tok.encode(p.prompt)] for p in problems]
         seqs = [
             p + tok.encode(self.env.demonstration(q)) + [tok.eos_id] for p, q in zip(prompts, problems, strict=True)
@@ -80,9 +82,16 @@ class RLDataModule(L.LightningDataModule):
         return DemoBatch(tokens=tokens, attention_mask=mask, target_mask=targets)
 
     def rollout_batch(self, step: int) -> TrainBatch:
+        """This rank's share of the step's prompts, whole groups, with the per-sequence seeds one process
+        drawing every prompt would use: the ranks together sample exactly the one-process batch."""
         module = self.trainer.lightning_module
-        problems = self._problems(module.rollout_cfg.prompts_per_step, step)
-        return module.worker.rollout(self.env, problems, seed=module.seed * 1_000_003 + step)
+        dp, r = module.data_parallel, module.rollout_cfg
+        problems = self._problems(r.prompts_per_step, step)
+        seeds = sequence_seeds(module.seed * 1_000_003 + step, len(problems) * r.group_size)
+        groups = [seeds[i : i + r.group_size] for i in range(0, len(seeds), r.group_size)]
+        mine = dp.share(groups, "model.rollout.prompts_per_step")
+        problems = dp.share(problems, "model.rollout.prompts_per_step")
+        return module.worker.rollout(self.env, problems, seed=[s for group in mine for s in group])
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if not isinstance(batch, StepRequest):
@@ -98,6 +107,9 @@ class RLDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         # Held-out problems: a seed range training never draws from.
         problems = self.env.sample(self.eval_size, seed=10**9 + self.seed)
+        # Lightning's DistributedSampler splits them across ranks; an uneven split would repeat problems.
+        if self.trainer is not None:
+            DataParallel.of(self.trainer.strategy).share(problems, "data.eval_size")
         return DataLoader(problems, batch_size=32, collate_fn=list, num_workers=0)
 
     def predict_dataloader(self) -> DataLoader:

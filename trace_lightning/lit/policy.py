@@ -10,6 +10,7 @@ WeightSync callback streams the new weights to the worker.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -17,11 +18,13 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Problem
 from trace_lightning.guidance import FakeQuantHook, GuidedHook, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
+from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale
 from trace_lightning.lit.tensorboard import log_measured
 from trace_lightning.lit.timing import device_time, peak_memory_gib
 from trace_lightning.lit.worker import RolloutWorker
@@ -207,6 +210,7 @@ class PolicyModule(L.LightningModule):
         targets = batch.tokens[:, 1:].masked_fill(~batch.target_mask, -100)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         self._check_finite(loss, "supervised loss")
+        loss = loss * self.loss_scale(batch.target_mask, "token_mean")
         log_measured(self, {"train/sft_loss": loss.detach()}, self.global_step, batch.tokens.shape[0])
         return {"loss": loss}
 
@@ -243,6 +247,10 @@ class PolicyModule(L.LightningModule):
         advantages = ADVANTAGES[self.rl.advantage](batch.rewards, batch.group_size)
         loss, stats = policy_loss(logprobs, None, batch.rollout_logprobs, advantages, mask, self.loss_config)
         self._check_finite(loss, "policy loss")
+        # Each rank's share of the global loss and token-mean stats; sync_dist's rank mean is then the global value.
+        loss = loss * self.loss_scale(mask, self.loss_config.agg_mode)
+        token_share = self.loss_scale(mask, "token_mean")
+        stats = {key: value * token_share for key, value in stats.items()} | {"policy/loss": loss.detach()}
         n = batch.tokens.shape[0]
         # Constant by construction, so not logged: one update per batch (old policy = this one) keeps clip_frac
         # and approx_kl at 0, policy/loss repeats train/loss, a correction of "none" weighs every token 1.
@@ -258,7 +266,43 @@ class PolicyModule(L.LightningModule):
             raise NonFiniteError(f"step {self.global_step}: non-finite {what}")
 
     def named_weights_for_sync(self) -> dict[str, Tensor]:
-        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+        """All master weights, full (gathered under FSDP)."""
+        return {k: v for bucket in self.weight_buckets() for k, v in bucket.items()}
+
+    def weight_buckets(self, bucket_bytes: int = 256 << 20) -> Iterator[dict[str, Tensor]]:
+        """Full master weights bucket by bucket: under FSDP one all-gather per bucket, not the whole model."""
+        return full_weight_buckets(self.policy.state_dict(), bucket_bytes)
+
+    # ---- data parallel --------------------------------------------------------------------------
+    @property
+    def data_parallel(self) -> DataParallel:
+        """This rank among the data-parallel replicas (rank 0 of 1 outside a distributed fit)."""
+        return DataParallel.of(self._trainer.strategy) if self._trainer is not None else DataParallel()
+
+    def reduce_over_ranks(self, value: Tensor, op: str = "sum") -> Tensor:
+        """A sum or max over data-parallel ranks (the value itself on one rank)."""
+        if self.data_parallel.size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.clone(), reduce_op=op)
+
+    def loss_scale(self, mask: Tensor, agg_mode: str) -> Tensor:
+        """This rank's share of a loss aggregated over all ranks' samples (lit.parallel.loss_scale)."""
+        return loss_scale(mask, agg_mode, self.data_parallel, self.reduce_over_ranks)
+
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy, shard the trainer's policy with FSDP2 (each block, then the root) over
+        the data-parallel mesh; the rollout engines keep full weights (WeightSync gathers them per bucket)."""
+        mesh = self.device_mesh
+        if mesh is None or any(isinstance(p, DTensor) for p in self.policy.parameters()):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        if mesh["tensor_parallel"].size() != 1:
+            raise ValueError(f"tensor parallelism is not supported; set the strategy's tensor_parallel_size=1 "
+                             f"(got {mesh['tensor_parallel'].size()})")
+        for block in self.policy.layers:
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(self.policy, mesh=mesh["data_parallel"])
 
     # ---- evaluation -----------------------------------------------------------------------------
     def _eval_worker(self, method: str) -> RolloutWorker:
@@ -290,13 +334,18 @@ class PolicyModule(L.LightningModule):
             self._eval_hits[key].extend(env.score(p, row["response"]) for p, row in zip(batch, rows, strict=True))
 
     def on_validation_epoch_end(self) -> None:
-        for key, hits in self._eval_hits.items():
-            if hits:
-                self.log(key, sum(hits) / len(hits), prog_bar=key == "eval/accuracy")
-        if self.method.name == "bf16" and self._eval_hits["eval/accuracy"]:
+        accuracy = {key: self._gathered_accuracy(hits) for key, hits in self._eval_hits.items()}
+        for key, value in accuracy.items():
+            if value is not None:  # already over all ranks; sync_dist's mean of equal values keeps it
+                self.log(key, value, prog_bar=key == "eval/accuracy", sync_dist=True)
+        if self.method.name == "bf16" and accuracy["eval/accuracy"] is not None:
             # The bf16 method's policy, quantized post hoc by the FP4 engine, is the PTQ baseline.
-            hits = self._eval_hits["eval/accuracy"]
-            self.log("eval/ptq_accuracy", sum(hits) / len(hits))
+            self.log("eval/ptq_accuracy", accuracy["eval/accuracy"], sync_dist=True)
+
+    def _gathered_accuracy(self, hits: list[float]) -> float | None:
+        """Hits over every rank's share of the evaluation problems (None when nothing was evaluated)."""
+        totals = self.reduce_over_ranks(torch.tensor([sum(hits), len(hits)], dtype=torch.float64, device=self.device))
+        return float(totals[0] / totals[1]) if totals[1] > 0 else None
 
     def on_predict_start(self) -> None:
         self._worker_up_to_date()

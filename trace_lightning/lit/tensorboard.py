@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
@@ -98,15 +99,30 @@ def tensorboard_tags(metrics: Mapping[str, float | Tensor]) -> dict[str, float]:
     return out
 
 
+def across_ranks(module: L.LightningModule, metrics: Mapping[str, float | Tensor],
+                 sums: Iterable[str] = ()) -> dict[str, float | Tensor]:
+    """Each metric over every data-parallel rank: the rank mean (each rank's share is scaled so that its mean is
+    the global value, lit.parallel.loss_scale), or the sum for the keys in `sums`. One process: unchanged."""
+    trainer = module.trainer
+    if trainer.world_size <= 1:
+        return dict(metrics)
+    sums = set(sums)
+    return {key: trainer.strategy.reduce(torch.as_tensor(value, dtype=torch.float32, device=module.device),
+                                         reduce_op="sum" if key in sums else "mean")
+            for key, value in metrics.items()}
+
+
 def log_measured(module: L.LightningModule, metrics: Mapping[str, float | Tensor], step: int,
-                 batch_size: int | None = None, every_step: bool = False) -> None:
-    """Log metrics measured at training step `step`: to the progress bar / callbacks, and to the loggers now.
+                 batch_size: int | None = None, every_step: bool = False, sums: Iterable[str] = ()) -> None:
+    """Log metrics measured at training step `step` over all ranks (across_ranks): to the progress bar /
+    callbacks, and to the loggers now (rank 0 writes).
 
     every_step=False follows the trainer's log_every_n_steps (cheap per-step metrics); True writes every call
     (audits and other measurements that do not happen every step).
     """
     if not metrics:
         return
+    metrics = across_ranks(module, metrics, sums)
     for key, value in metrics.items():
         module.log(key, value, logger=False, batch_size=batch_size)
     trainer = module.trainer

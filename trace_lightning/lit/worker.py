@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Env, Problem
 from trace_lightning.guidance import QuantRecord
@@ -36,6 +37,15 @@ def rollout_precision(method: MethodSpec, trace: TraceConfig) -> Any:
         return trace.rollout_compute
     fmt = parse_format(trace.fmt)
     return FP4Precision(fmt=fmt.kind, mx_mode=fmt.mx_mode, compute_dtype=_DTYPES[trace.rollout_compute])
+
+
+def engine_copy(policy: Transformer) -> Transformer:
+    """The engine's own copy of the policy. A sharded (FSDP) policy cannot be copied: an unsharded model of the same
+    config stands in (the global RNG left as it was), and the first weight sync sets all of its weights."""
+    if not any(isinstance(p, DTensor) for p in policy.parameters()):
+        return copy.deepcopy(policy)
+    with torch.random.fork_rng(devices=[]):
+        return Transformer(policy.config).to(next(policy.parameters()).device)
 
 
 class RolloutWorker(L.LightningModule):
@@ -65,7 +75,7 @@ class RolloutWorker(L.LightningModule):
             version = 0 if self._engine is None else self._engine.policy_version
             self._engine = None  # free the old copy before making the new one
             precision = rollout_precision(self.method, self.trace)
-            self._engine = Engine(copy.deepcopy(self._policy).eval(), precision, backend=self.trace.backend,
+            self._engine = Engine(engine_copy(self._policy).eval(), precision, backend=self.trace.backend,
                                   cuda_graph=self.trace.cuda_graph)
             self._engine.policy_version = version
         return self._engine
@@ -91,7 +101,11 @@ class RolloutWorker(L.LightningModule):
         return CaptureSpec(layers=layers, mode="full")
 
     def generate(
-        self, prompts: list[list[int]], seed: int, greedy: bool = False, capture: CaptureSpec | None = None
+        self,
+        prompts: list[list[int]],
+        seed: int | Sequence[int],
+        greedy: bool = False,
+        capture: CaptureSpec | None = None,
     ) -> RolloutBatch:
         r = self.rollout_cfg
         params = SamplingParams(
@@ -112,8 +126,10 @@ class RolloutWorker(L.LightningModule):
         tok = self.tokenizer
         return "".join("?" if t >= tok.vocab_size else tok.decode([t]) for t in response if t != tok.eos_id)
 
-    def rollout(self, env: Env, problems: list[Problem], seed: int) -> TrainBatch:
-        """Sample group_size responses per problem, score them and align everything for training."""
+    def rollout(self, env: Env, problems: list[Problem], seed: int | Sequence[int]) -> TrainBatch:
+        """Sample group_size responses per problem, score them and align everything for training.
+
+        seed: one batch seed, or one seed per sequence (a data-parallel rank's share of the global batch's)."""
         g = self.rollout_cfg.group_size
         prompts = [self.encode_prompt(p) for p in problems for _ in range(g)]
         capture = self._capture()
