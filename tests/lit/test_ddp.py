@@ -33,6 +33,7 @@ from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.parallel import DataParallel, loss_denominators, loss_scale
 from trace_lightning.lit.policy import PolicyModule
+from trace_lightning.lit.tensorboard import tensorboard_tags
 from trace_lightning.rl.losses import AGG_MODES, agg_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,8 @@ FROZEN_LR = 1e-30
 an ulp of any weight above ~1e-22 (the runs check their engines' FP4 checksums are the same at the end)."""
 MISMATCH = ("mismatch/k3_kl", "mismatch/logprob_abs_diff", "mismatch/prob_abs_diff", "mismatch/token_mult_prob_error",
             "mismatch/is_ratio_min", "mismatch/is_ratio_mean", "mismatch/is_ratio_max", "mismatch/ess")
-TIMING = ("rollout/tokens_per_s", "rollout/seconds", "sync/ms", "guidance/capture_ms")
+MISMATCH_TAGS = tuple(tensorboard_tags(dict.fromkeys(MISMATCH, 1.0)))  # what the loggers receive (lit.tensorboard)
+TIMING = ("rollout/tokens_per_s", "time/rollout_s", "time/sync_s", "guidance/capture_ms")
 
 
 class DigitsEnv:
@@ -217,6 +219,17 @@ def _load(path: Path) -> dict[str, Any]:
     return torch.load(path, weights_only=False)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread() -> Any:
+    """The ranks here are forked, and libgomp is not fork-safe: a child that enters an OpenMP parallel region the
+    parent's thread pool served waits forever (seen: both FSDP ranks stuck in load_state_dict after earlier fits in
+    the same process). One intra-op thread runs every region inline; the parent's count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _warm_start(tmp_path_factory.mktemp("warm") / "warm.ckpt")
@@ -271,7 +284,7 @@ def test_rank_zero_logs_loss_reward_and_mismatch_over_all_samples(runs: dict[str
     one, two = runs["one"]["logged"][step], runs["ranks"][0]["logged"][step]
     assert runs["ranks"][1]["logged"] is None  # logged once, by rank 0
     assert one.keys() == two.keys()
-    keys = ("train/sft_loss",) if step == 0 else ("train/loss", "reward/mean", *MISMATCH)
+    keys = ("train/sft_loss",) if step == 0 else ("train/loss", "reward/mean", *MISMATCH_TAGS)
     for key in keys:
         assert two[key] == pytest.approx(one[key], rel=TOL, abs=TOL), key
 
@@ -317,8 +330,9 @@ def test_two_process_fit_of_the_sim_config(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "trace_lightning.lit.cli", "fit", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    events = sorted((tmp_path / "runs").rglob("events.out.tfevents.*"))
-    assert len(events) == 1, events
+    found = sorted((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    events = [e for e in found if e.parent.name != "bf16_reference"]  # the BF16 reference is a sub-run of rank 0's
+    assert len(events) == 1 and len(found) == 2, found
     scalars = EventAccumulator(str(events[0])).Reload()
     for key in ("train/sft_loss", "train/loss", "reward/mean", "mismatch/k3_kl", "eval/accuracy"):
         values = [e.value for e in scalars.Scalars(key)]
@@ -350,7 +364,7 @@ def test_fsdp_ranks_compute_the_one_rank_step(tmp_path: Path, warm: str, runs: d
         assert mine[0]["grads"].keys() == expected.keys()
         diff = {name: grad - expected[name] for name, grad in mine[0]["grads"].items()}
         assert _global_norm(diff) <= TOL * _global_norm(expected)
-    for key in ("train/loss", "reward/mean", *MISMATCH):
+    for key in ("train/loss", "reward/mean", *MISMATCH_TAGS):
         assert ranks[0]["logged"][1][key] == pytest.approx(one["logged"][1][key], rel=TOL, abs=TOL), key
     accuracy = _eval_logged(ranks[0]["logged"])["eval/accuracy"]
     assert accuracy == pytest.approx(_eval_logged(one["logged"])["eval/accuracy"], rel=TOL, abs=TOL)

@@ -20,6 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 
 SITE_ORDER = ("attn_in", "k", "v", "attn_out", "moe_in", "moe_down", "shared_down")
@@ -59,6 +60,7 @@ class RunLogger(TensorBoardLogger):
         super().__init__(save_dir, name=name or "", version=version, default_hp_metric=False, **kwargs)
         self._reference: Any = None
 
+    @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         reference = {"mismatch/" + k.removeprefix(REFERENCE_PREFIX): v for k, v in metrics.items()
                      if k.startswith(REFERENCE_PREFIX)}
