@@ -12,10 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import settings
-from torch import Tensor
 
-from trace_lightning.envs.isolation import bwrap_problem
+if not torch.cuda.is_available():
+    # Before anything imports triton.language (lightning, compressed-tensors and torchao all do): its standard
+    # library is decorated then, and only when the interpreter is on does it run inside interpreted kernels.
+    # tests/kernels/conftest.py explains the rest.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from hypothesis import settings  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from trace_lightning.envs.isolation import bwrap_problem  # noqa: E402
 
 # In CI every hypothesis test draws the same examples on every run: hypothesis's built-in "ci" profile
 # (derandomize: the seed is a hash of the test's name; no example database, no deadline, print_blob) is loaded

@@ -150,7 +150,7 @@ def test_trace_rl_fit_killed_by_sigterm_exits_143_with_a_resumable_checkpoint(tm
            "--model.warmup_steps", "400", "--trainer.logger.init_args.save_dir", str(runs),
            "--trainer.enable_progress_bar", "false"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    last = runs / "sim" / "version_0" / "checkpoints" / "last.ckpt"
+    last = runs / "trace_compact" / "version_0" / "checkpoints" / "last.ckpt"  # runs/<method>/version_N
     deadline = time.monotonic() + 240
     while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

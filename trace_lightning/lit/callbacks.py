@@ -143,7 +143,8 @@ class DepthSelectiveCompaction(L.Callback):
         # trainer.global_step is the index of the next step to run (at fit start and after each step).
         worker.audit_next = bool(every) and module.global_step % every == 0 and module.method.rollout_fp4
 
-    def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
+        # Not on_fit_start: a resumed fit has its global_step back only by now, and the first rollout comes after.
         self._apply(module)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
