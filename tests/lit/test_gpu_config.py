@@ -17,3 +17,5 @@ def test_gpu_config_stacks_on_sim() -> None:
     callbacks = [c.class_path.rsplit(".", 1)[-1] for c in ns.trainer.callbacks]
     assert callbacks[:4] == ["WeightSync", "CacheExchange", "DepthSelectiveCompaction", "MismatchMonitor"]
     assert ns.trainer.callbacks[0].init_args.audit_every > 0  # the weight audit stays on
+    assert ns.trainer.callbacks[3].init_args.bf16_reference_every == 10
+    assert ns.trainer.logger.class_path.endswith("RunLogger")
