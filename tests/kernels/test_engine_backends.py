@@ -33,6 +33,7 @@ def _generate(model: Transformer, backend: str, dtype: torch.dtype, device: str,
     return engine.generate(PROMPTS, params, capture=CaptureSpec(mode="full"))
 
 
+@pytest.mark.slow  # the whole engine under the interpreter: CI runs it in its slow pass
 def test_triton_engine_equals_the_sim_engine_in_fp32(model: Transformer, device: str) -> None:
     triton, sim = (_generate(model, b, torch.float32, device, 0.0) for b in ("triton", "sim"))
     assert triton.responses == sim.responses
@@ -43,6 +44,7 @@ def test_triton_engine_equals_the_sim_engine_in_fp32(model: Transformer, device:
         assert torch.equal(ours.cpu(), theirs.cpu())
 
 
+@pytest.mark.slow  # the whole engine under the interpreter: CI runs it in its slow pass
 def test_triton_records_guide_training_to_the_triton_codes(model: Transformer, device: str) -> None:
     out = _generate(model, "triton", torch.bfloat16, device, 1.0)
     full = [QuantRecord.from_captures(c, r, out.policy_version) for c, r in zip(out.captures, out.routes, strict=True)]

@@ -19,6 +19,7 @@ def _trace_rl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # a whole run or many processes: CI runs it in its slow pass
 def test_fit_then_predict_from_its_checkpoint(tmp_path: Path) -> None:
     fit = _trace_rl("fit", "--config", str(CONF), *TINY, cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr[-2000:]

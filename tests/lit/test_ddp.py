@@ -317,6 +317,7 @@ def test_prompts_split_in_whole_shares_or_fail_naming_the_setting() -> None:
         DataParallel(0, 2).share(list("abcde"), "model.rollout.prompts_per_step")
 
 
+@pytest.mark.slow  # a whole run or many processes: CI runs it in its slow pass
 def test_two_process_fit_of_the_sim_config(tmp_path: Path) -> None:
     """`trace-rl fit` of conf/sim.yaml on two gloo ranks: one event file (rank 0), finite metrics, eval gathered."""
     args = ["--config", str(ROOT / "conf/sim.yaml"), "--config", str(ROOT / "conf/ddp.yaml"),

@@ -143,6 +143,7 @@ def test_checkpoint_io_stages_beside_the_target_not_in_tmpdir(tmp_path: Path, mo
         AtomicCheckpointIO().save_checkpoint({}, target, storage_options={"x": 1})
 
 
+@pytest.mark.slow  # a whole run or many processes: CI runs it in its slow pass
 def test_trace_rl_fit_killed_by_sigterm_exits_143_with_a_resumable_checkpoint(tmp_path: Path) -> None:
     """The shipped config: periodic last.ckpt, and SIGTERM mid-fit leaves interrupted.ckpt and status 143."""
     runs = tmp_path / "runs"
@@ -200,6 +201,7 @@ def kill_writes(target: Path, writer: str, kills: int) -> int:
     return torn
 
 
+@pytest.mark.slow  # a whole run or many processes: CI runs it in its slow pass
 def test_sigkill_during_checkpoint_writes_never_leaves_a_torn_file(tmp_path: Path) -> None:
     """4 MB checkpoints rewritten in a loop with TMPDIR on another filesystem (/dev/shm when it is one), SIGKILL
     at varying moments: the file under the final name always loads (the previous or the next checkpoint)."""
