@@ -1,25 +1,13 @@
-"""Kernel tests run on CUDA when present, else on CPU through Triton's interpreter.
+"""Kernel tests run on CUDA when present, else on CPU through Triton's interpreter (tests/conftest.py turns it on
+before anything imports Triton).
 
-Triton picks interpreter or compiler when a kernel is decorated (module import), reading TRITON_INTERPRET
-then; so this sets it before trace_lightning.kernels is imported, and drops a copy some earlier test
-imported without it. It also makes two of the interpreter's roundings the hardware's: a dot whose rounding does not
-depend on the host's BLAS, and float32 -> bfloat16 casts that round to nearest even.
+This makes two of the interpreter's roundings the hardware's: a dot whose rounding does not depend on the host's
+BLAS, and float32 -> bfloat16 casts that round to nearest even.
 """
-
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    stale = [name for name in sys.modules if name.startswith("trace_lightning.kernels")]
-    for name in stale:
-        del sys.modules[name]
-    if stale and "trace_lightning" in sys.modules and hasattr(sys.modules["trace_lightning"], "kernels"):
-        delattr(sys.modules["trace_lightning"], "kernels")
 
 
 def _position_independent_interpreter_dot() -> None:

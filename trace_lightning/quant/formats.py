@@ -59,11 +59,7 @@ def quantize_weight(w: Tensor, fmt: FP4Format | str) -> BlockFP4:
     """FP4 of a weight [N, K] or stacked experts [E, N, K] exactly as given: one NVFP4 global scale per matrix (per
     expert). The one weight quantizer: the trainer's QAT hook and the rollout's converter both call it, so the
     weight codes agree by construction on any device, and the sync audit compares its bytes on both sides."""
-    fmt = parse_format(fmt).for_weights()
-    if fmt.kind == "mxfp4" or w.dim() < 3:
-        return fmt.quantize(w)
-    g = tensor_global_scale(w, dims=2)  # [E, 1]
-    return quantize_nvfp4(w, g.reshape(*w.shape[:-2], 1, 1))
+    return parse_format(fmt).for_weights().quantize(w)
 
 
 def parse_format(fmt: FP4Format | str) -> FP4Format:
