@@ -104,14 +104,20 @@ def tensorboard_tags(metrics: Mapping[str, float | Tensor]) -> dict[str, float]:
 def across_ranks(module: L.LightningModule, metrics: Mapping[str, float | Tensor],
                  sums: Iterable[str] = ()) -> dict[str, float | Tensor]:
     """Each metric over every data-parallel rank: the rank mean (each rank's share is scaled so that its mean is
-    the global value, lit.parallel.loss_scale), or the sum for the keys in `sums`. One process: unchanged."""
+    the global value, lit.parallel.loss_scale), or the sum for the keys in `sums`. One all-reduce per kind, not
+    one per metric. One process: unchanged."""
     trainer = module.trainer
     if trainer.world_size <= 1:
         return dict(metrics)
     sums = set(sums)
-    return {key: trainer.strategy.reduce(torch.as_tensor(value, dtype=torch.float32, device=module.device),
-                                         reduce_op="sum" if key in sums else "mean")
-            for key, value in metrics.items()}
+    out: dict[str, float | Tensor] = {}
+    for op in ("mean", "sum"):
+        keys = [key for key in metrics if (key in sums) == (op == "sum")]
+        if keys:
+            stacked = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=module.device).reshape(())
+                                   for k in keys])
+            out.update(zip(keys, trainer.strategy.reduce(stacked, reduce_op=op).unbind(0), strict=True))
+    return {key: out[key] for key in metrics}
 
 
 def log_measured(module: L.LightningModule, metrics: Mapping[str, float | Tensor], step: int,
