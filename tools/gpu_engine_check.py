@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from trace_lightning.guidance import GuidedHook, QuantRecord, collate_records
+from trace_lightning.guidance import GuidedHook
 from trace_lightning.model import Transformer
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams
 
@@ -44,17 +44,14 @@ def main() -> None:
                       "sequences_equal": same_tokens, "of": len(prompts),
                       "max_logprob_diff": lp_diff, "prompt_record_bytes_equal_fraction":
                       sum(bytes_equal.values()) / len(bytes_equal), "layer0_attn_in_equal": all(layer0)}))
-    records = [QuantRecord.from_captures(c, r, t.policy_version, mode="parity") for c, r in zip(t.captures, t.routes,
-                                                                                             strict=True)]
     seqs = [p + r for p, r in zip(prompts, t.responses, strict=True)]
     width = max(len(x) for x in seqs)
     tokens = torch.zeros((len(seqs), width), dtype=torch.long)
     valid = torch.zeros((len(seqs), width), dtype=torch.bool)
     for i, x in enumerate(seqs):
         tokens[i, : len(x)], valid[i, : len(x)] = torch.tensor(x), True
-    batch = collate_records(records, pad_to=width - 1).to("cuda")
-    full = collate_records([QuantRecord.from_captures(c, r, t.policy_version) for c, r in
-                            zip(t.captures, t.routes, strict=True)], pad_to=width - 1).to("cuda")
+    full = t.record.window(width - 1)  # the engine's packed record, already on the GPU
+    batch = full.compact("parity")
     hook = GuidedHook("nvfp4", batch, "parity", valid[:, :-1].cuda(), audit=full)
     with torch.no_grad():
         policy(tokens[:, :-1].cuda(), attention_mask=valid[:, :-1].cuda(), hook=hook)

@@ -17,12 +17,12 @@ from .conftest import PROMPTS
 def _allocated(engine: Engine, capture: CaptureSpec | None, batch: int, max_len: int) -> tuple[int, int, int]:
     """(KV cache, record buffer, route) bytes after a real prefill of `batch` prompts into `max_len` slots."""
     c = engine.config
-    recorder = Recorder(capture, engine._capture_layers(capture), batch, max_len, c.n_layers, c.top_k, engine.device)
+    recorder = Recorder(engine.record_layout(capture), batch, max_len, c.n_layers, c.top_k, c.n_experts, engine.device)
     cache = engine._cache(batch, max_len, recorder if capture else None)
     with torch.inference_mode():
         engine.prefill(PROMPTS[:batch], cache, engine._hook(recorder if capture else None), recorder)
-    records = sum(t.nbytes for buf in recorder.buffers.values() for t in buf.buffers.values())
-    return cache.nbytes(), records, recorder.routes.nbytes
+    assert recorder.observed == set(recorder.slots)  # every laid-out site was written by the prefill
+    return cache.nbytes(), recorder.data.nbytes, recorder.routes.nbytes
 
 
 @pytest.mark.parametrize("precision", ["bf16", FP4Precision(), FP4Precision(kv=False), FP4Precision(fmt="mxfp4")],

@@ -20,14 +20,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from trace_lightning.guidance.layout import ELEMENTS_PER_BYTE, GLOBAL_SCALE_BYTES, site_rows
 from trace_lightning.guidance.record import QuantRecord
 from trace_lightning.model import MoEConfig
 from trace_lightning.quant import FP4Format, parse_format
 from trace_lightning.quant.guided import check_guidance_mode
 
 POLICY_KINDS = ("all", "none", "last", "deep", "budget", "auto")
-_GLOBAL_SCALE_BYTES = 4
-_ELEMS_PER_BYTE = {"full": 2, "parity": 8}
 
 
 @dataclass(frozen=True)
@@ -126,22 +125,12 @@ def select_layers(policy: str | LayerPolicy, n_layers: int, bytes_per_layer: flo
     return sorted(chosen)
 
 
-def _site_rows(config: MoEConfig) -> dict[str, tuple[int, int]]:
-    """(rows per token, elements per row) of every activation site of one layer."""
-    c = config
-    rows = {"attn_in": (1, c.dim), "k": (c.n_kv_heads, c.head_dim), "v": (c.n_kv_heads, c.head_dim),
-            "attn_out": (1, c.q_dim), "moe_in": (1, c.dim), "moe_down": (c.top_k, c.moe_intermediate)}
-    if c.n_shared_experts:
-        rows["shared_down"] = (1, c.shared_intermediate)
-    return rows
-
-
 def site_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str) -> dict[str, float]:
     """Record payload bytes per token of each activation site of one quantized layer, from the shapes alone."""
     fmt, mode = parse_format(fmt), check_guidance_mode(mode)
-    global_bytes = _GLOBAL_SCALE_BYTES if fmt.kind == "nvfp4" and fmt.global_scale != "none" else 0
-    return {site: float(rows * (k / _ELEMS_PER_BYTE[mode] + k / fmt.block_size + global_bytes))
-            for site, (rows, k) in _site_rows(config).items()}
+    global_bytes = GLOBAL_SCALE_BYTES if fmt.kind == "nvfp4" and fmt.global_scale != "none" else 0
+    return {site: float(rows * (k / ELEMENTS_PER_BYTE[mode] + k / fmt.block_size + global_bytes))
+            for site, (rows, k) in site_rows(config).items()}
 
 
 def layer_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str) -> dict[int, float]:

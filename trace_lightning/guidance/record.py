@@ -18,14 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trace_lightning.guidance.layout import ELEMENTS_PER_BYTE, RecordLayout
 from trace_lightning.quant import MXFP4, NVFP4, BlockFP4, FP4Format, pack_fp4, unpack_fp4
 from trace_lightning.quant.guided import check_guidance_mode
 
 SiteKey = tuple[int, str]
 
-# Block-scale bytes that decode to exactly 1.0: padded rows dequantize to finite zeros, never NaN.
-_ONE_SCALE_BYTE = {"nvfp4": 0x38, "mxfp4": 127}
-_ELEMS_PER_BYTE = {"full": 2, "parity": 8}
 _BIT_WEIGHTS = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
 
 
@@ -89,7 +87,7 @@ class SiteRecord:
 
     def num_elements(self, mode: str) -> int:
         """Elements per row (K) implied by the payload."""
-        return self.payload.shape[-1] * _ELEMS_PER_BYTE[mode]
+        return self.payload.shape[-1] * ELEMENTS_PER_BYTE[mode]
 
     def check(self, fmt: FP4Format, mode: str, lead: tuple[int, ...], what: str) -> None:
         """Raise ValueError unless dtypes and shapes are consistent with each other, fmt, mode and lead."""
@@ -258,6 +256,13 @@ class QuantRecord:
         return QuantRecord(sites, self.routes, self.policy_version, mode, self.fmt, self.model_id)
 
 
+def route_dtype(n_experts: int) -> torch.dtype:
+    """The smallest dtype that holds the expert ids of a model with n_experts experts."""
+    if n_experts > 2**15:
+        raise ValueError(f"expert ids must lie in 0..32767, the model has {n_experts} experts")
+    return torch.uint8 if n_experts <= 256 else torch.int16
+
+
 def compact_routes(routes: Tensor) -> Tensor:
     """Expert ids [L, T, k] in the smallest dtype that holds them (uint8 below 256 experts, else int16)."""
     if routes.dim() != 3:
@@ -301,8 +306,8 @@ def tensor_digests(named: Mapping[str, Tensor]) -> dict[str, str]:
     for t in named.values():
         flat = t.detach().reshape(-1)
         stats.append(torch.stack([flat.sum(dtype=torch.float64), flat.abs().sum(dtype=torch.float64),
-                                  flat[::7].sum(dtype=torch.float64)]).cpu())
-    values = torch.stack(stats).tolist()
+                                  flat[::7].sum(dtype=torch.float64)]))
+    values = torch.stack([s.to(stats[0].device) for s in stats]).cpu().tolist()  # the one sync (per weight bucket)
     return {name: f"{tuple(t.shape)}:" + ",".join(f"{v:.6e}" for v in row)
             for (name, t), row in zip(named.items(), values, strict=True)}
 
@@ -345,18 +350,35 @@ class ModelIdentity:
 
 @dataclass
 class BatchRecord:
-    """Records of a training minibatch stacked to (B, T, ...), with the mask of positions that have a record."""
+    """Records of a minibatch as one uint8 tensor [B, T, width] (see ``RecordLayout``), with routes and the mask of
+    positions that have a record. Positions without one hold the layout's pad row (+0 codes under unit scales:
+    finite, never NaN), and the hook falls back to plain fake-quant there.
 
-    sites: dict[SiteKey, SiteRecord]
-    """Per recorded (layer, site), tensors with leading dims (B, T)."""
+    The rollout engine builds it on its device while decoding (no per-sequence objects); the bytes transport builds
+    it with ``collate_records``. Sites are read as views of ``data``; ``ref`` makes the contiguous tensor guided
+    rounding reads, once per site.
+    """
+
+    data: Tensor
+    """uint8 [B, T, layout.width]: every recorded site of every position."""
     routes: Tensor
-    """[L, B, T, top_k] routed expert ids (padded positions hold 0..top_k-1)."""
+    """[L, B, T, top_k] routed expert ids, uint8 (int16 beyond 256 experts); positions without a record hold
+    0..top_k-1."""
     valid: Tensor
     """(B, T) bool: True where the position has a rollout record."""
-    mode: str
-    fmt: FP4Format
+    layout: RecordLayout
     policy_versions: list[int]
+    model_id: str = ""
+    """``weights_fingerprint`` of the weights that generated the batch ("" when unknown)."""
     _refs: dict[SiteKey, BlockFP4] = field(default_factory=dict, repr=False)
+
+    @property
+    def mode(self) -> str:
+        return self.layout.mode
+
+    @property
+    def fmt(self) -> FP4Format:
+        return self.layout.fmt
 
     @property
     def length(self) -> int:
@@ -364,53 +386,122 @@ class BatchRecord:
 
     @property
     def layers(self) -> list[int]:
-        return sorted({layer for layer, _ in self.sites})
+        return sorted({layer for layer, _ in self.layout.keys})
+
+    @property
+    def sites(self) -> dict[SiteKey, SiteRecord]:
+        """Per recorded (layer, site), views of ``data`` with leading dims (B, T)."""
+        return {key: SiteRecord(*fields) for key, fields in self.layout.views(self.data).items()}
 
     def has(self, layer: int, site: str) -> bool:
-        return (layer, site) in self.sites
+        return (layer, site) in self.layout.keys
 
     def ref(self, layer: int, site: str) -> BlockFP4:
         """The rollouts' BlockFP4 (B, T, ...) at (layer, site); padded rows hold +0 codes under unit scales."""
         key = (layer, site)
-        if key not in self.sites:
+        if not self.has(layer, site):
             raise KeyError(f"no record for layer {layer} site {site}; recorded layers: {self.layers}")
         if key not in self._refs:
-            self._refs[key] = self.sites[key].ref(self.fmt, self.mode)
+            scales, payload, g = self.layout.views(self.data)[key]
+            site_record = SiteRecord(scales.contiguous(), payload.contiguous(), None if g is None else g.contiguous())
+            self._refs[key] = site_record.ref(self.fmt, self.mode)
         return self._refs[key]
 
     def to(self, device: torch.device | str) -> BatchRecord:
-        """This batch on `device` (itself when already there)."""
+        """This batch on `device` (itself when already there): one copy of the packed bytes."""
         if self.valid.device == torch.device(device):
             return self
-        sites = {k: SiteRecord(r.scale_bytes.to(device), r.payload.to(device),
-                               None if r.global_scale is None else r.global_scale.to(device))
-                 for k, r in self.sites.items()}
-        return BatchRecord(sites, self.routes.to(device), self.valid.to(device), self.mode, self.fmt,
-                           self.policy_versions)
+        return replace(self, data=self.data.to(device), routes=self.routes.to(device), valid=self.valid.to(device),
+                       _refs={})
+
+    def window(self, length: int) -> BatchRecord:
+        """The first `length` positions (views), e.g. a rollout's record cut to the training forward's width."""
+        if length > self.length:
+            raise ValueError(f"window of {length} positions of a {self.length}-position record")
+        return replace(self, data=self.data[:, :length], routes=self.routes[:, :, :length],
+                       valid=self.valid[:, :length], _refs={})
+
+    def compact(self, mode: str | None = None, layers: Iterable[int] | None = None) -> BatchRecord:
+        """A smaller batch record on the same device: only `layers`, and parity bits instead of codes if mode is
+        "parity" (one repack of the bytes, no per-sequence work)."""
+        keep = None if layers is None else set(layers)
+        keys = [key for key in self.layout.keys if keep is None or key[0] in keep]
+        layout = self.layout.select(keys, check_guidance_mode(mode or self.mode))
+        if layout == self.layout:
+            return self
+        return replace(self, data=layout.repack(self.data, self.layout), layout=layout, _refs={})
 
     def routes_for_replay(self) -> list[Tensor]:
         """Per layer (B, T, top_k) int64 expert ids for the model's ``routed=`` argument."""
         return list(self.routes.long().unbind(0))
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.routes.nbytes
 
-def _pad_site(rec: SiteRecord, length: int, one_byte: int) -> SiteRecord:
-    n = min(rec.payload.shape[0], length)
+    def payload_bytes(self) -> int:
+        """Bytes of record the valid positions carry (site slots and routes, no alignment slack, no padding)."""
+        per_token = self.layout.payload_bytes_per_token + self.routes.shape[0] * self.routes.shape[3] * \
+            self.routes.element_size()
+        return int(self.valid.sum()) * per_token
 
-    def pad(t: Tensor, value: float) -> Tensor:
-        out = torch.full((length, *t.shape[1:]), value, dtype=t.dtype, device=t.device)
-        out[:n] = t[:n]
-        return out
+    def sequence(self, i: int) -> QuantRecord:
+        """Sequence i's record (its valid positions, copied to the CPU): what the bytes transport or a file holds."""
+        n = int(self.valid[i].sum())
+        data = self.data[i, :n].cpu()
+        sites = {key: SiteRecord(scales.clone(), payload.clone(), None if g is None else g.clone())
+                 for key, (scales, payload, g) in self.layout.views(data).items()}
+        return QuantRecord(sites, self.routes[:, i, :n].cpu().clone(), self.policy_versions[i], self.mode, self.fmt,
+                           self.model_id)
 
-    g = None if rec.global_scale is None else pad(rec.global_scale, 1.0)
-    return SiteRecord(pad(rec.scale_bytes, one_byte), pad(rec.payload, 0), g)
+    def check(self, *, expected_version: int | None = None, model: ModelIdentity | None = None) -> None:
+        """Raise ValueError if the batch is stale, from another model, or holds a value no rollout produces (a NaN
+        scale, an out-of-range or repeated expert): the device transport's counterpart of ``load_record``'s checks,
+        vectorized over the batch with one host sync when everything is right."""
+        if expected_version is not None and min(self.policy_versions) < expected_version:
+            raise ValueError(f"stale record: policy version {min(self.policy_versions)} is older than the expected "
+                             f"{expected_version}")
+        if model is not None:
+            if self.model_id != model.fingerprint:
+                raise ValueError(f"record comes from another model or checkpoint (fingerprint "
+                                 f"{self.model_id[:12] or 'none'}, expected {model.fingerprint[:12]})")
+            n_layers, top_k = self.routes.shape[0], self.routes.shape[3]
+            if (n_layers, top_k) != (model.n_layers, model.top_k):
+                raise ValueError(f"record routes are for {n_layers} layers with top-{top_k}, the model has "
+                                 f"{model.n_layers} layers with top-{model.top_k}")
+        n_experts = model.n_experts if model is not None else None
+        if not bool(torch.stack([_bad_scales(rec, self.fmt).any() for rec in self.sites.values()]
+                                + [_bad_routes(self.routes, n_experts).any()]).any()):
+            return
+        for (layer, site), rec in self.sites.items():
+            rec.check_scale_values(self.fmt, f"layer {layer} site {site}")
+        check_route_values(self.routes.flatten(1, 2), n_experts)
+
+
+def _bad_scales(rec: SiteRecord, fmt: FP4Format) -> Tensor:
+    """Mask of the block and row global scales no quantizer writes (see SiteRecord.check_scale_values)."""
+    if fmt.kind == "mxfp4":
+        bad = (rec.scale_bytes == 0xFF).flatten()
+    else:
+        scales = rec.scale_bytes.view(torch.float8_e4m3fn).float()
+        bad = (~(torch.isfinite(scales) & (scales > 0))).flatten()
+    g = rec.global_scale
+    return bad if g is None else torch.cat([bad, (~(torch.isfinite(g) & (g > 0))).flatten()])
+
+
+def _bad_routes(routes: Tensor, n_experts: int | None) -> Tensor:
+    """Mask of the (layer, ..., position) whose expert ids are negative, out of range or repeated."""
+    ids = routes.long()
+    bad = (ids < 0).any(-1) | ((ids >= n_experts).any(-1) if n_experts is not None else False)
+    ordered = ids.sort(dim=-1).values
+    return bad | (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
 
 
 def collate_records(records: Sequence[QuantRecord], pad_to: int | None = None) -> BatchRecord:
-    """Stack per-sequence records into a BatchRecord of length pad_to (default: the longest record).
+    """Pack per-sequence records into a BatchRecord of length pad_to (default: the longest record).
 
-    Records longer than pad_to are cut to it (the training window never sees later positions). Padded
-    positions get +0 codes under unit scales (finite, never NaN) and are marked invalid, so the hook
-    falls back to plain fake-quant there.
+    Records longer than pad_to are cut to it (the training window never sees later positions). Positions past a
+    record's end hold the layout's pad row and are marked invalid.
     """
     if not records:
         raise ValueError("collate_records needs at least one record")
@@ -422,18 +513,24 @@ def collate_records(records: Sequence[QuantRecord], pad_to: int | None = None) -
                              f"{first.mode}/{format_name(first.fmt)}")
         if set(r.sites) != set(first.sites) or r.routes.shape[::2] != first.routes.shape[::2]:
             raise ValueError(f"record {i} covers other sites or routes than record 0")
-    one = _ONE_SCALE_BYTE[first.fmt.kind]
-    sites = {}
-    for key in first.sites:
-        padded = [_pad_site(r.sites[key], length, one) for r in records]
-        g = None if padded[0].global_scale is None else torch.stack([p.global_scale for p in padded])
-        scales, payload = torch.stack([p.scale_bytes for p in padded]), torch.stack([p.payload for p in padded])
-        sites[key] = SiteRecord(scales, payload, g)
+    per_elem = ELEMENTS_PER_BYTE[first.mode]
+    layout = RecordLayout.build(first.fmt, first.mode, {
+        key: (tuple(rec.payload.shape[1:-1]), rec.payload.shape[-1] * per_elem) for key, rec in first.sites.items()})
+    device = first.routes.device
+    data = layout.pad_row(device).expand(len(records), length, layout.width).clone()
     n_layers, top_k = first.routes.shape[0], first.routes.shape[2]
-    routes = torch.arange(top_k, dtype=first.routes.dtype).expand(n_layers, len(records), length, top_k).clone()
-    valid = torch.zeros(len(records), length, dtype=torch.bool)
+    routes = torch.arange(top_k, dtype=first.routes.dtype, device=device)
+    routes = routes.expand(n_layers, len(records), length, top_k).clone()
+    valid = torch.zeros(len(records), length, dtype=torch.bool, device=device)
     for b, r in enumerate(records):
         n = min(r.length, length)
+        for key, rec in r.sites.items():
+            slot = layout.slot(key)
+            data[b, :n, slot.offset : slot.end] = layout.encode_fields(key, rec.scale_bytes[:n], rec.payload[:n],
+                                                                       None if rec.global_scale is None
+                                                                       else rec.global_scale[:n])
         routes[:, b, :n] = r.routes[:, :n]
         valid[b, :n] = True
-    return BatchRecord(sites, routes, valid, first.mode, first.fmt, [r.policy_version for r in records])
+    model_ids = {r.model_id for r in records}
+    return BatchRecord(data, routes, valid, layout, [r.policy_version for r in records],
+                       model_ids.pop() if len(model_ids) == 1 else "")

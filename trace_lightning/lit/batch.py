@@ -41,14 +41,11 @@ class TrainBatch:
     """Version of the weights that generated the rollouts."""
     routes: list[Tensor] | None = None
     """Per layer (B, T-1, top_k) rollout expert ids (for routing replay and route agreement)."""
-    records: list[Any] | None = None
-    """Per sequence QuantRecord (guided methods), moved to `record` by the CacheExchange callback."""
     record: Any | None = None
-    """The collated BatchRecord for the training hook."""
-    audit_records: list[Any] | None = None
-    """Full all-layer records kept on audit steps for code/value agreement."""
+    """The BatchRecord guidance reads (guided methods): the rollout's packed record, on its device, cut to the
+    training window and compacted; checked (or sent through the bytes transport) by the CacheExchange callback."""
     audit_record: Any | None = None
-    """The collated full audit BatchRecord (set by CacheExchange)."""
+    """The full all-layer BatchRecord kept on audit steps for code / value agreement."""
     samples: list[dict[str, Any]] = field(default_factory=list)
     """A few decoded (prompt, response, reward) examples for logging."""
     rollout_stats: dict[str, float] = field(default_factory=dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any
 
 import lightning as L
@@ -11,10 +12,11 @@ import torch
 from torch import Tensor
 
 from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
-from trace_lightning.guidance.record import ModelIdentity
+from trace_lightning.guidance.record import ModelIdentity, format_name
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.tensorboard import SITE_ORDER, agreement_heatmap, log_measured, write_layout
 from trace_lightning.lit.timing import device_time
+from trace_lightning.quant import parse_format
 from trace_lightning.rl import MismatchMetric, mismatch_metrics, token_logprobs
 from trace_lightning.rollout import check_weight_checksums, fp4_weight_checksums
 
@@ -84,33 +86,68 @@ class WeightSync(L.Callback):
         self._sync(module)
 
 
-class CacheExchange(L.Callback):
-    """Moves each rollout's QuantRecords to the training side as bytes, refusing stale or corrupt ones."""
+class RecordRefused(RuntimeError):
+    """A rollout's record is stale, from another model or format, or holds values no rollout writes."""
 
-    def __init__(self) -> None:
+
+class CacheExchange(L.Callback):
+    """Hands each rollout's batch record to the training side, refusing stale, foreign or corrupt ones.
+
+    The record arrives as the packed device tensor the engine wrote. With ``transport="device"`` it stays there
+    and is checked in place (policy version, weights fingerprint, format, scale and route values) in one
+    vectorized pass. With ``transport="bytes"`` every sequence's record is serialized with its checksum and
+    loaded back, as a record crossing processes or machines would be (what ``guidance/exchange_bytes`` then
+    counts is what would cross the network).
+    """
+
+    def __init__(self, transport: str = "device") -> None:
+        """
+        Args:
+            transport: "device" (check the rollout's record where it is) or "bytes" (per-sequence safetensors with a
+                checksum, loaded and validated back).
+        """
+        if transport not in ("device", "bytes"):
+            raise ValueError(f"CacheExchange transport must be 'device' or 'bytes', got {transport!r}")
+        self.transport = transport
         self.exchange = RecordExchange()
         self._bytes_per_token: float | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-        if not isinstance(batch, TrainBatch):
+        if not isinstance(batch, TrainBatch) or batch.record is None:
             return
-        width = batch.tokens.shape[1] - 1
+        model = ModelIdentity.of(module.policy.config, module.named_weights_for_sync())
+        if self.transport == "bytes":
+            metrics = self._through_bytes(module, batch, model)
+        else:
+            metrics = self._in_place(module, batch.record, model)
+        per_token = metrics.pop("guidance/bytes_per_token")  # bytes summed over ranks, the rest rank means
+        sums = [key for key in metrics if key.endswith("_bytes")]
+        log_measured(module, metrics, module.global_step, batch.tokens.shape[0], sums=sums)
+        if per_token != self._bytes_per_token:  # changes only with the layer policy: drawn when it does
+            self._bytes_per_token = per_token
+            log_measured(module, {"guidance/bytes_per_token": per_token}, module.global_step, every_step=True)
+
+    @staticmethod
+    def _in_place(module: Any, record: Any, model: ModelIdentity) -> dict[str, float]:
+        start = time.perf_counter()
+        try:
+            if record.fmt != parse_format(module.fmt):
+                raise ValueError(f"wrong format: record is {format_name(record.fmt)}, training uses {module.fmt}")
+            record.check(expected_version=module.policy_version, model=model)
+        except ValueError as err:
+            raise RecordRefused(f"step {module.global_step}: {err}") from err
+        tokens = max(int(record.valid.sum()), 1)
+        return {"guidance/bytes_per_token": record.payload_bytes() / tokens,
+                "guidance/exchange_bytes": float(record.nbytes),
+                "guidance/exchange_ms": 1000 * (time.perf_counter() - start)}
+
+    def _through_bytes(self, module: Any, batch: TrainBatch, model: ModelIdentity) -> dict[str, float]:
         self.exchange.reset_metrics()
-        if batch.records:
-            ticket = self.exchange.send(batch.records)
-            model = ModelIdentity.of(module.policy.config, module.named_weights_for_sync())
-            received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt,
-                                             model=model)
-            batch.record = collate_records(received, pad_to=width)
-            metrics = self.exchange.metrics()  # bytes summed over ranks, the rest rank means
-            per_token = metrics.pop("guidance/bytes_per_token")
-            sums = [key for key in metrics if key.endswith("_bytes")]
-            log_measured(module, metrics, module.global_step, batch.tokens.shape[0], sums=sums)
-            if per_token != self._bytes_per_token:  # changes only with the layer policy: drawn when it does
-                self._bytes_per_token = per_token
-                log_measured(module, {"guidance/bytes_per_token": per_token}, module.global_step, every_step=True)
-        if batch.audit_records:
-            batch.audit_record = collate_records(batch.audit_records, pad_to=width)
+        record = batch.record
+        ticket = self.exchange.send([record.sequence(i) for i in range(record.valid.shape[0])])
+        received = self.exchange.receive(ticket, expected_version=module.policy_version, fmt=module.fmt, model=model)
+        batch.record = collate_records(received, pad_to=record.length).to(record.data.device)
+        return self.exchange.metrics()
 
 
 class DepthSelectiveCompaction(L.Callback):

@@ -19,7 +19,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Env, Problem
-from trace_lightning.guidance import QuantRecord
 from trace_lightning.lit.batch import TrainBatch, pad_sequences, response_targets
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.methods import MethodSpec
@@ -98,7 +97,8 @@ class RolloutWorker(L.LightningModule):
         layers = {layer for layer in every if config.is_quantized_layer(layer)}
         if not layers:
             return None
-        return CaptureSpec(layers=layers, mode="full")
+        # an audit needs the codes of every layer; otherwise record only what guidance reads (parity: 4x smaller)
+        return CaptureSpec(layers=layers, mode="full" if self.audit_next else self.method.guidance_mode or "full")
 
     def generate(
         self,
@@ -145,8 +145,8 @@ class RolloutWorker(L.LightningModule):
             {"prompt": problems[i // g].prompt, "response": texts[i], "reward": float(rewards[i])}
             for i in range(0, len(texts), max(1, len(texts) // 4))
         ]
-        if capture is not None and out.captures is not None:
-            self._attach_records(batch, out, capture)
+        if out.record is not None:
+            self._attach_records(batch, out)
         self.audit_next = False
         return batch
 
@@ -158,7 +158,7 @@ class RolloutWorker(L.LightningModule):
         logprobs = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
         for i, (p, lp) in enumerate(zip(prompts, out.logprobs, strict=True)):
             logprobs[i, len(p) - 1 : len(p) - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        routes = self._pad_routes(out.routes, width - 1) if out.routes is not None else None
+        routes = list(out.route_table[:, :, : width - 1].long().unbind(0))  # per layer (B, width - 1, top_k)
         return TrainBatch(
             tokens=tokens,
             attention_mask=attention_mask,
@@ -170,26 +170,16 @@ class RolloutWorker(L.LightningModule):
             routes=routes,
         )
 
-    @staticmethod
-    def _pad_routes(routes: list[Tensor], width: int) -> list[Tensor]:
-        """Per-sequence [L, T_b, k] -> per layer (B, width, k), padded with expert 0."""
-        n_layers, top_k = routes[0].shape[0], routes[0].shape[-1]
-        out = torch.zeros((n_layers, len(routes), width, top_k), dtype=torch.long)
-        for b, r in enumerate(routes):
-            t = min(r.shape[1], width)
-            out[:, b, :t] = r[:, :t].long()
-        return list(out.unbind(0))
-
-    def _attach_records(self, batch: TrainBatch, out: RolloutBatch, capture: CaptureSpec) -> None:
-        """Build each sequence's full record once; the guidance record is its compaction (mode, layers)."""
+    def _attach_records(self, batch: TrainBatch, out: RolloutBatch) -> None:
+        """The batch record, cut to the training window, on the engine's device: guidance reads its compaction
+        (mode, layers; a no-op unless this is an audit step, which recorded full codes of every layer)."""
+        assert out.record is not None
         start = time.perf_counter()
-        full = [QuantRecord.from_captures(c, r, out.policy_version, mode="full", model_id=self.engine.model_id)
-                for c, r in zip(out.captures, out.routes, strict=True)]
+        record = out.record.window(batch.tokens.shape[1] - 1)
         if self.method.records:
-            mode = self.method.guidance_mode or "full"
-            batch.records = [f.compact(mode, layers=self.record_layers) for f in full]
+            batch.record = record.compact(self.method.guidance_mode or "full", layers=self.record_layers)
         if self.audit_next:
-            batch.audit_records = full
+            batch.audit_record = record
         elapsed = time.perf_counter() - start
         batch.rollout_stats["guidance/capture_ms"], batch.rollout_stats["time/records_s"] = 1000 * elapsed, elapsed
 

@@ -8,6 +8,7 @@ exactly the input positions of the training forward over tokens[:-1], so rows li
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Literal
 
 from torch import Tensor
 
+from trace_lightning.guidance.record import BatchRecord
 from trace_lightning.model.hooks import SITES
 from trace_lightning.quant import BlockFP4
 
@@ -50,15 +52,15 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class CaptureSpec:
-    """Which (layer, site) pairs the rollout records. The engine always keeps full BlockFP4 tensors;
-    ``mode`` is carried along for the guidance module, which compacts them (e.g. to parity bits)."""
+    """Which (layer, site) pairs the rollout records, and in which mode."""
 
     layers: set[int] | frozenset[int] | Literal["all"] = "all"
     """Layers to record; boundary (bf16) layers have no FP4 activations and are skipped."""
     sites: Sequence[str] | Literal["all"] = "all"
     """Activation sites to record (see ``trace_lightning.model.hooks.SITES``)."""
     mode: Literal["full", "parity"] = "full"
-    """Record mode the guidance module should compact to."""
+    """What the engine records per element: the 4-bit code ("full") or only its mantissa bit ("parity", what
+    guided rounding needs; 4x smaller). Scales are always kept."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("full", "parity"):
@@ -96,13 +98,14 @@ class RolloutBatch:
     """``stop`` (a stop token was sampled) or ``length`` (max_new_tokens reached)."""
     policy_version: int
     """Version of the weights that generated the batch."""
-    routes: list[Tensor]
-    """Per sequence int64 [L, T_b - 1, top_k]: expert ids of positions 0 .. T_b - 2 (see module docstring)."""
-    captures: list[dict[SiteKey, BlockFP4]] | None = None
-    """Per sequence {(layer, site): BlockFP4 with leading dim T_b - 1} when capture was requested; k/v are
-    [T_b - 1, Hkv, Dh] (the cache's bytes), moe_down [T_b - 1, top_k, I]."""
+    route_table: Tensor
+    """[L, B, S, top_k] expert ids by token position, on the engine's device (uint8, int16 beyond 256 experts): row
+    b's positions 0 .. record_length(b) - 1 are its routes (see module docstring), later ones hold 0 .. top_k - 1."""
+    record: BatchRecord | None = None
+    """The FP4 records of the whole call on the engine's device when capture was requested: one uint8 tensor
+    [B, S, width] packed by its layout, with the route table and the mask of real positions."""
     capture: CaptureSpec | None = None
-    """The capture request these records answer (its mode tells the guidance module how to compact)."""
+    """The capture request this record answers."""
     stats: dict[str, float] = field(default_factory=dict)
     """Engine-side measurements: prefill/decode seconds, decode steps."""
 
@@ -112,3 +115,20 @@ class RolloutBatch:
     def record_length(self, i: int) -> int:
         """Rows of sequence i's routes and captures: len(prompt) + len(response) - 1."""
         return len(self.prompts[i]) + len(self.responses[i]) - 1
+
+    @functools.cached_property
+    def routes(self) -> list[Tensor]:
+        """Per sequence int64 [L, T_b - 1, top_k] on the CPU: expert ids of positions 0 .. T_b - 2."""
+        table = self.route_table.cpu()
+        return [table[:, b, : self.record_length(b)].long() for b in range(len(self))]
+
+    @functools.cached_property
+    def captures(self) -> list[dict[SiteKey, BlockFP4]] | None:
+        """Per sequence {(layer, site): BlockFP4 with leading dim T_b - 1} on the CPU, from a full-mode record (None
+        without capture); k/v are [T_b - 1, Hkv, Dh] (the cache's bytes), moe_down [T_b - 1, top_k, I]. A
+        convenience for tests and tools: training reads ``record`` directly."""
+        if self.record is None:
+            return None
+        data, layout = self.record.data.cpu(), self.record.layout
+        return [{key: layout.blocks(data[b, : self.record_length(b)], key) for key in layout.keys}
+                for b in range(len(self))]

@@ -2,9 +2,10 @@
 
 The hook quantizes each site's input per row (row global scale, so a token never depends on its batch)
 and returns the dequantized values in the compute dtype: this is what the FP4 kernels compute with.
-When a (layer, site) is being recorded, the very BlockFP4 it used is written into a buffer indexed by
-token position, so right-padded prefill rows and later decode rows land where they belong and padding
-is overwritten by the real token at that position. K and V are not quantized here: the FP4 KV cache
+When a (layer, site) is being recorded, the very BlockFP4 it used is written, packed in the capture's mode
+(guidance/layout.py), into its slot of a record tensor indexed by token position, so right-padded prefill
+rows and later decode rows land where they belong and padding is overwritten by the real token at that
+position. K and V are not quantized here: the FP4 KV cache
 quantizes them as it stores them, and hands its bytes to the same recorder.
 """
 
@@ -17,9 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trace_lightning.guidance.layout import RecordLayout
+from trace_lightning.guidance.record import BatchRecord, route_dtype
 from trace_lightning.model.hooks import QuantHook
 from trace_lightning.quant import BlockFP4
-from trace_lightning.rollout.batch import CaptureSpec, SiteKey
+from trace_lightning.rollout.batch import SiteKey
 
 RowQuantizer = Callable[[Tensor], BlockFP4]
 RowFakeQuantizer = Callable[[Tensor], tuple[Tensor, BlockFP4]]
@@ -108,52 +111,68 @@ class RowBuffer:
 
 
 class Recorder:
-    """Collects the requested (layer, site) BlockFP4 rows and every layer's routes, by token position.
+    """Writes the requested (layer, site) FP4 rows, packed by ``layout``, and every layer's routes, by token position.
 
-    The engine sets ``positions`` (B, T) before each forward; the hook, the FP4 experts and the FP4 cache
-    call ``observe``.
+    Everything stays on the device in two preallocated tensors: the record bytes [B, S, layout.width] (parity
+    bits or codes, as the layout says, with the scales) and the routes [L, B, S, top_k]. The engine sets
+    ``positions`` (B, T) before each forward; the hook, the FP4 experts and the FP4 cache call ``observe``.
+    ``rows`` (B,), when set, is the output row each batch row writes to (default: the batch row itself).
     """
 
-    def __init__(self, spec: CaptureSpec | None, layers: frozenset[int], batch: int, max_len: int,
-                 n_layers: int, top_k: int, device: torch.device) -> None:
-        self.spec = spec
-        self.sites = spec.site_set() if spec is not None else frozenset()
-        self.layers = layers
+    def __init__(self, layout: RecordLayout | None, batch: int, max_len: int, n_layers: int, top_k: int,
+                 n_experts: int, device: torch.device) -> None:
+        self.layout = layout
+        self.slots = {s.key: s for s in layout.slots} if layout is not None else {}
         self.batch, self.max_len = batch, max_len
         self.positions: Tensor | None = None
-        self.buffers: dict[SiteKey, RowBuffer] = {}
-        self.routes = torch.zeros(n_layers, batch, max_len, top_k, dtype=torch.int64, device=device)
+        self.rows: Tensor | None = None
+        self.observed: set[SiteKey] = set()
+        width = layout.width if layout is not None else 0
+        self.data = torch.zeros(batch, max_len, width, dtype=torch.uint8, device=device)
+        self.routes = torch.zeros(n_layers, batch, max_len, top_k, dtype=route_dtype(n_experts), device=device)
 
     def wants(self, layer: int, site: str) -> bool:
-        return layer in self.layers and site in self.sites
+        return (layer, site) in self.slots
+
+    def _rows(self) -> Tensor:
+        """(B, T) output row of every position of the current forward."""
+        assert self.positions is not None, "set Recorder.positions before the forward"
+        if self.rows is None:
+            return batch_rows(self.positions)
+        return self.rows[:, None].expand_as(self.positions)
 
     def observe(self, q: BlockFP4, *, layer: int, site: str) -> None:
-        """Keep q (leading dims (B, T) of the current forward) if (layer, site) is recorded."""
-        if not self.wants(layer, site):
+        """Write q (leading dims (B, T) of the current forward) into its slot if (layer, site) is recorded."""
+        slot = self.slots.get((layer, site))
+        if slot is None:
             return
-        assert self.positions is not None, "set Recorder.positions before the forward"
-        if (layer, site) not in self.buffers:
-            self.buffers[(layer, site)] = RowBuffer(self.batch, self.max_len)
-        self.buffers[(layer, site)].write(q, self.positions)
+        assert self.layout is not None
+        self.data[self._rows(), self.positions, slot.offset : slot.end] = self.layout.encode(slot.key, q)
+        self.observed.add(slot.key)
 
     def observe_routes(self, routes: list[Tensor]) -> None:
         """Per layer (B, T, K) expert ids of the current forward."""
-        assert self.positions is not None, "set Recorder.positions before the forward"
-        self.routes[:, batch_rows(self.positions), self.positions] = torch.stack(routes)
+        self.routes[:, self._rows(), self.positions] = torch.stack(routes).to(self.routes.dtype)
 
-    def sequence_routes(self, lengths: list[int]) -> list[Tensor]:
-        """Per sequence int64 [L, n_b, K] for record lengths n_b, on the CPU."""
-        routes = self.routes.cpu()
-        return [routes[:, b, :n].clone() for b, n in enumerate(lengths)]
+    def valid(self, lengths: Tensor) -> Tensor:
+        """(B, S) True at the positions 0 .. lengths[b] - 1 each row fed through the model."""
+        return torch.arange(self.max_len, device=lengths.device) < lengths[:, None]
 
-    def sequence_captures(self, lengths: list[int]) -> list[dict[SiteKey, BlockFP4]]:
-        """Per sequence {(layer, site): BlockFP4 with leading dim n_b}, on the CPU."""
-        out: list[dict[SiteKey, BlockFP4]] = [{} for _ in lengths]
-        for key in sorted(self.buffers):
-            buf = self.buffers[key].cpu()
-            for b, n in enumerate(lengths):
-                out[b][key] = buf.take(b, n)
-        return out
+    def route_table(self, lengths: Tensor) -> Tensor:
+        """[L, B, S, top_k] routes; positions past a row's length hold 0 .. top_k - 1 (a valid, distinct set)."""
+        fill = torch.arange(self.routes.shape[-1], dtype=self.routes.dtype, device=self.routes.device)
+        return torch.where(self.valid(lengths)[None, :, :, None], self.routes, fill)
+
+    def batch_record(self, lengths: Tensor, policy_version: int, model_id: str) -> BatchRecord:
+        """The record of the whole call on the device: positions past a row's length hold the pad row."""
+        assert self.layout is not None, "no capture was requested"
+        missing = sorted(set(self.slots) - self.observed)
+        if missing:
+            raise RuntimeError(f"record sites {missing} were laid out but never quantized by the forward")
+        valid = self.valid(lengths)
+        data = torch.where(valid[..., None], self.data, self.layout.pad_row(self.data.device))
+        return BatchRecord(data, self.route_table(lengths), valid, self.layout, [policy_version] * self.batch,
+                           model_id)
 
 
 class FP4ActivationHook(QuantHook):

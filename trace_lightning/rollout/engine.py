@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from trace_lightning.guidance.layout import RecordLayout, site_rows
 from trace_lightning.guidance.record import tensor_digests, weights_fingerprint
 from trace_lightning.model.model import Attention, ModelOutput, RMSNorm, Router
 from trace_lightning.ops import backend_for, is_triton
@@ -97,7 +98,7 @@ class Engine:
         c, B, dev = self.config, len(prompts), self.device
         lens = [len(p) for p in prompts]
         P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
-        recorder = Recorder(capture, self._capture_layers(capture), B, S, c.n_layers, c.top_k, dev)
+        recorder = Recorder(self.record_layout(capture), B, S, c.n_layers, c.top_k, c.n_experts, dev)
         hook, cache = self._hook(recorder if capture else None), self._cache(B, S, recorder if capture else None)
         keys = seed_keys(seeds, dev)
         lens_t, max_new_t = torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev)
@@ -172,12 +173,19 @@ class Engine:
         return FP4KVCache(c, batch, max_len, dtype, self.device, self.ops, self.fp4.activation_format, recorder,
                           fused_attention=self.fused_attention)
 
-    def _capture_layers(self, capture: CaptureSpec | None) -> frozenset[int]:
+    def record_layout(self, capture: CaptureSpec | None) -> RecordLayout | None:
+        """How a token's record is packed for this capture request: the requested sites that this precision
+        quantizes (k / v with an FP4 cache, the others with FP4 activations) in the quantized layers."""
         if capture is None:
-            return frozenset()
-        if self.fp4 is None or not (self.fp4.activations or self.fp4.kv):
+            return None
+        fp4 = self.fp4
+        if fp4 is None or not (fp4.activations or fp4.kv):
             raise ValueError(f"capture needs FP4 activations or an FP4 KV cache; precision is {self.precision!r}")
-        return frozenset(i for i in capture.layer_set(self.config.n_layers) if self.config.is_quantized_layer(i))
+        c = self.config
+        quantized = {s for s in site_rows(c) if (fp4.kv if s in ("k", "v") else fp4.activations)}
+        sites = sorted(capture.site_set() & quantized)
+        layers = [i for i in capture.layer_set(c.n_layers) if c.is_quantized_layer(i)]
+        return RecordLayout.for_model(c, fp4.activation_format, capture.mode, [(i, s) for i in layers for s in sites])
 
     def _validate(self, prompts: list[list[int]],
                   params: SamplingParams) -> tuple[list[list[int]], list[int], list[int]]:
@@ -212,7 +220,8 @@ class Engine:
 
     def _collect(self, prompts: list[list[int]], max_new: list[int], tokens: Tensor, logprobs: Tensor,
                  params: SamplingParams, recorder: Recorder, capture: CaptureSpec | None) -> RolloutBatch:
-        """One host transfer: cut each row at its first stop token or at its max_new_tokens."""
+        """One host transfer: cut each row at its first stop token or at its max_new_tokens. Routes and records
+        stay on the device as whole-batch tensors."""
         stop, toks, lps = set(params.stop_token_ids), tokens.cpu().tolist(), logprobs.cpu().tolist()
         responses, out_lps, reasons = [], [], []
         for row, lp, m in zip(toks, lps, max_new, strict=True):
@@ -222,11 +231,14 @@ class Engine:
             responses.append(row[:end])
             out_lps.append(lp[:end])
             reasons.append(reason)
-        lengths = [len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)]
+        lengths = torch.tensor([len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)],
+                               device=self.device)
+        with torch.inference_mode(False):  # training reads (and may modify) these: normal tensors, not inference ones
+            record = recorder.batch_record(lengths, self.policy_version, self.model_id) if capture is not None else None
+            routes = recorder.route_table(lengths)
         return RolloutBatch(
             prompts=[list(p) for p in prompts], responses=responses, logprobs=out_lps, finish_reasons=reasons,
-            policy_version=self.policy_version, routes=recorder.sequence_routes(lengths),
-            captures=recorder.sequence_captures(lengths) if capture is not None else None, capture=capture,
+            policy_version=self.policy_version, route_table=routes, record=record, capture=capture,
         )
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -242,11 +254,11 @@ class Engine:
 
     def memory_plan(self, batch: int, max_len: int, capture: CaptureSpec | None = None) -> memory.MemoryPlan:
         """What a generate call of `batch` sequences of up to `max_len` positions (prompt + new tokens) holds on
-        the device besides transient activations: weights, KV cache, full record buffers, routes."""
-        fp4 = self.fp4
-        fmt = fp4.activation_format if fp4 is not None else None
-        return memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, fmt,
-                           fp4 is not None and fp4.activations, fp4 is not None and fp4.kv, capture)
+        the device besides transient activations: weights, KV cache, the packed record, routes."""
+        fp4, layout = self.fp4, self.record_layout(capture)
+        kv_fmt = fp4.activation_format if fp4 is not None and fp4.kv else None
+        return memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, kv_fmt,
+                           layout.width if layout is not None else 0)
 
     def max_batch(self, max_len: int, budget_bytes: int, *, capture: CaptureSpec | None = None,
                   reserve_bytes: int = 0) -> int:

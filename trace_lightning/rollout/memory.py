@@ -1,9 +1,10 @@
 """What a generate call keeps on the device, from shapes alone: the engine's answer to "how large a batch fits".
 
-Three things grow with the batch and stay for the whole call: the KV cache (FP4 or dense, per layer), the record
-buffers of the captured (layer, site) pairs (the engine keeps full codes until compaction) and the routes of every
-layer. The weights are fixed. Everything else (a forward's activations, the sampler's logits) is transient and is
-budgeted as a reserve the caller chooses; the reserve's size is a measurement to make on the device, not derived.
+Three things grow with the batch and stay for the whole call: the KV cache (FP4 or dense, per layer), the packed
+record of the captured (layer, site) pairs (one byte row per position, parity bits or codes as the capture asks)
+and the routes of every layer (uint8 ids). The weights are fixed. Everything else (a forward's activations, the
+sampler's logits) is transient and is budgeted as a reserve the caller chooses; the reserve's size is a measurement
+to make on the device, not derived.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ import torch
 from torch import nn
 
 from trace_lightning.guidance.compaction import site_bytes_per_token
+from trace_lightning.guidance.record import route_dtype
 from trace_lightning.model.config import MoEConfig
 from trace_lightning.quant import FP4Format
-from trace_lightning.rollout.batch import CaptureSpec
-
-ROUTE_BYTES = 8  # the recorder's routes are int64
 
 
 @dataclass(frozen=True)
@@ -55,26 +54,14 @@ def kv_bytes_per_token(config: MoEConfig, dtype: torch.dtype, fp4: FP4Format | N
     return float(quantized * packed + (config.n_layers - quantized) * dense)
 
 
-def record_bytes_per_token(config: MoEConfig, fmt: FP4Format, capture: CaptureSpec | None, activations: bool,
-                           kv_fp4: bool) -> float:
-    """Full-record bytes per position of the captured (layer, site) pairs that are FP4 (boundary layers have none;
-    k and v only with an FP4 cache, the other sites only with FP4 activations)."""
-    if capture is None:
-        return 0.0
-    per_site = site_bytes_per_token(config, fmt, "full")
-    sites = [s for s in capture.site_set() if s in per_site and (kv_fp4 if s in ("k", "v") else activations)]
-    layers = [i for i in capture.layer_set(config.n_layers) if config.is_quantized_layer(i)]
-    return float(len(layers) * sum(per_site[s] for s in sites))
-
-
-def plan(config: MoEConfig, weights: int, batch: int, max_len: int, dtype: torch.dtype, fmt: FP4Format | None,
-         activations: bool, kv_fp4: bool, capture: CaptureSpec | None) -> MemoryPlan:
-    """The plan for an engine computing in `dtype` whose FP4 activations / cache (if any) are in `fmt`."""
+def plan(config: MoEConfig, weights: int, batch: int, max_len: int, dtype: torch.dtype, kv_fmt: FP4Format | None,
+         record_width: int) -> MemoryPlan:
+    """The plan for an engine computing in `dtype` whose cache is FP4 in `kv_fmt` (None: dense), recording
+    `record_width` bytes per position (its RecordLayout's width; 0 without capture)."""
     positions = batch * max_len
-    kv = kv_bytes_per_token(config, dtype, fmt if kv_fp4 else None)
-    records = record_bytes_per_token(config, fmt, capture, activations, kv_fp4) if fmt is not None else 0.0
-    return MemoryPlan(weights=weights, kv_cache=round(positions * kv), records=round(positions * records),
-                      routes=positions * config.n_layers * config.top_k * ROUTE_BYTES)
+    route_bytes = torch.empty(0, dtype=route_dtype(config.n_experts)).element_size()
+    return MemoryPlan(weights=weights, kv_cache=round(positions * kv_bytes_per_token(config, dtype, kv_fmt)),
+                      records=positions * record_width, routes=positions * config.n_layers * config.top_k * route_bytes)
 
 
 def largest_batch(per_sequence: int, weights: int, budget: int, reserve: int) -> int:

@@ -1,0 +1,89 @@
+"""Records reach training as the engine's packed device tensor: no per-sequence record objects on the hot path,
+the same training as through the bytes transport, and a bad record stops the fit naming what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from trace_lightning.guidance import BatchRecord, QuantRecord
+from trace_lightning.lit.batch import TrainBatch
+from trace_lightning.lit.callbacks import (
+    CacheExchange,
+    DepthSelectiveCompaction,
+    MismatchMonitor,
+    RecordRefused,
+    WeightSync,
+)
+from trace_lightning.lit.config import RolloutConfig, TraceConfig
+from trace_lightning.lit.data import RLDataModule
+from trace_lightning.lit.policy import PolicyModule
+
+
+class Seen(L.Callback):
+    """Each RL step's loss and the batch record training got (after CacheExchange, which runs first)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.records: list[BatchRecord] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        if isinstance(batch, TrainBatch) and batch.record is not None:
+            self.records.append(batch.record)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if isinstance(batch, TrainBatch):
+            self.losses.append(float(outputs["loss"]))
+
+
+def _fit(tmp_path: Path, transport: str, *extra: L.Callback) -> Seen:
+    torch.manual_seed(0)
+    module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2),
+                          rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3), warmup_steps=1,
+                          cpu_threads=1)
+    seen = Seen()
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[*extra, WeightSync(), CacheExchange(transport), DepthSelectiveCompaction(),
+                                   MismatchMonitor(heatmap=False), seen])
+    trainer.fit(module, datamodule=RLDataModule(env="arithmetic", demo_batch_size=8, eval_size=8))
+    return seen
+
+
+def test_device_records_train_exactly_as_records_sent_as_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    through_bytes = _fit(tmp_path / "bytes", "bytes")
+
+    def no_sequence_records(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a per-sequence QuantRecord was built on the device transport's hot path")
+
+    monkeypatch.setattr(QuantRecord, "__init__", no_sequence_records)
+    on_device = _fit(tmp_path / "device", "device")
+    assert len(on_device.losses) == 3 and on_device.losses == through_bytes.losses
+    for ours, theirs in zip(on_device.records, through_bytes.records, strict=True):
+        assert ours.layout == theirs.layout and ours.mode == "parity"
+        assert torch.equal(ours.data, theirs.data) and torch.equal(ours.routes, theirs.routes)
+        assert torch.equal(ours.valid, theirs.valid)
+
+
+class Corrupt(L.Callback):
+    """Writes a NaN E4M3 block scale into the first RL batch's record, as a bad copy or kernel would."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        if isinstance(batch, TrainBatch) and batch.record is not None:
+            slot = batch.record.layout.slots[-1]
+            batch.record.data[0, 0, slot.offset + slot.global_bytes] = 0x7F
+
+
+def test_a_corrupt_device_record_stops_the_fit_naming_step_and_site(tmp_path: Path) -> None:
+    with pytest.raises(RecordRefused, match=r"step 1: layer 3 site v: 1 NaN, zero or negative E4M3 block scale"):
+        _fit(tmp_path, "device", Corrupt())
+
+
+def test_unknown_transport_is_refused() -> None:
+    with pytest.raises(ValueError, match="'device' or 'bytes'"):
+        CacheExchange("shm")

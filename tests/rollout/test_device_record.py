@@ -1,0 +1,62 @@
+"""The engine's record is one packed tensor on its device, written in the capture's mode while decoding: recording
+parity bits directly gives exactly the bytes of recording full codes and compacting them afterwards."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trace_lightning.model import Transformer
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams
+
+from .conftest import PROMPTS
+
+PARAMS = SamplingParams(max_new_tokens=[5, 3, 6, 4], temperature=1.0, seed=4, stop_token_ids=[7])
+
+
+@pytest.mark.parametrize("precision", [FP4Precision(compute_dtype="fp32"), FP4Precision(),
+                                       FP4Precision(fmt="mxfp4", mx_mode="rceil")], ids=["fp32", "bf16", "mxfp4"])
+def test_recording_parity_equals_compacting_full_codes(base_model: Transformer, precision: FP4Precision) -> None:
+    layers = {1}
+    full = Engine(copy.deepcopy(base_model), precision).generate(PROMPTS, PARAMS, capture=CaptureSpec())
+    parity = Engine(copy.deepcopy(base_model), precision).generate(PROMPTS, PARAMS,
+                                                                   capture=CaptureSpec(layers=layers, mode="parity"))
+    assert parity.responses == full.responses and parity.logprobs == full.logprobs  # recording changes nothing
+    expected = full.record.compact("parity", layers=layers)
+    assert parity.record.layout == expected.layout and parity.record.mode == "parity"
+    assert torch.equal(parity.record.data, expected.data) and torch.equal(parity.record.valid, expected.valid)
+    assert torch.equal(parity.route_table, full.route_table)
+    assert parity.record.layout.width * 3 < full.record.layout.width  # one layer's parity bits, not all codes
+
+
+def test_the_record_is_one_tensor_on_the_engine_device(base_model: Transformer) -> None:
+    out = Engine(copy.deepcopy(base_model), FP4Precision()).generate(PROMPTS, PARAMS, capture=CaptureSpec())
+    record, S = out.record, max(len(p) + m for p, m in zip(PROMPTS, PARAMS.max_new_tokens, strict=True))
+    assert record.data.shape == (len(PROMPTS), S, record.layout.width) and record.data.is_contiguous()
+    assert record.routes.dtype == out.route_table.dtype == torch.uint8  # 8 experts: one byte per id
+    assert record.valid.sum(1).tolist() == [out.record_length(b) for b in range(len(PROMPTS))]
+    assert record.policy_versions == [0] * len(PROMPTS) and record.model_id == Engine(
+        copy.deepcopy(base_model), FP4Precision()).model_id
+    record.check(expected_version=0)  # every scale a quantizer wrote, pad rows included, and distinct experts
+    for b in range(len(PROMPTS)):  # the per-sequence views agree with the batch tensor
+        n = out.record_length(b)
+        assert torch.equal(out.routes[b], out.route_table[:, b, :n].long())
+        for (layer, site), q in out.captures[b].items():
+            assert torch.equal(q.packed, record.ref(layer, site).packed[b, :n])
+
+
+def test_parity_records_hold_no_codes_to_read_back(base_model: Transformer) -> None:
+    out = Engine(copy.deepcopy(base_model), FP4Precision()).generate(PROMPTS, PARAMS,
+                                                                     capture=CaptureSpec(mode="parity"))
+    with pytest.raises(ValueError, match="parity records keep no codes"):
+        _ = out.captures
+    sequence = out.record.sequence(2)  # but each sequence's compact record can still be cut out (to save or send)
+    assert sequence.mode == "parity" and sequence.length == out.record_length(2)
+
+
+def test_the_memory_plan_counts_the_capture_mode(base_model: Transformer) -> None:
+    engine = Engine(copy.deepcopy(base_model), FP4Precision())
+    full, parity = (engine.memory_plan(8, 64, CaptureSpec(mode=m)).records for m in ("full", "parity"))
+    assert 0 < parity < full / 2
