@@ -40,9 +40,9 @@ class Seen(L.Callback):
             self.losses.append(float(outputs["loss"]))
 
 
-def _fit(tmp_path: Path, transport: str, *extra: L.Callback) -> Seen:
+def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | None = None) -> Seen:
     torch.manual_seed(0)
-    module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2),
+    module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2, sites=sites),
                           rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3), warmup_steps=1,
                           cpu_threads=1)
     seen = Seen()
@@ -87,3 +87,12 @@ def test_a_corrupt_device_record_stops_the_fit_naming_step_and_site(tmp_path: Pa
 def test_unknown_transport_is_refused() -> None:
     with pytest.raises(ValueError, match="'device' or 'bytes'"):
         CacheExchange("shm")
+
+
+def test_trace_sites_limit_what_is_recorded_on_every_step(tmp_path: Path) -> None:
+    seen = _fit(tmp_path, "device", sites=["moe_down", "v"])
+    assert len(seen.records) == 3  # an audit step (full codes of everything, compacted) and two plain ones
+    for record in seen.records:
+        assert {site for _, site in record.layout.keys} == {"moe_down", "v"} and record.mode == "parity"
+    with pytest.raises(ValueError, match="trace.sites: unknown sites"):
+        TraceConfig(sites=["q"])

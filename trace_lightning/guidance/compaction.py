@@ -133,9 +133,12 @@ def site_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str) -> 
             for site, (rows, k) in site_rows(config).items()}
 
 
-def layer_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str) -> dict[int, float]:
-    """Record payload bytes per token of each quantized layer, from the shapes alone (no record needed)."""
-    per_layer = sum(site_bytes_per_token(config, fmt, mode).values())
+def layer_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str,
+                          sites: Iterable[str] | None = None) -> dict[int, float]:
+    """Record payload bytes per token of each quantized layer recording `sites` (None: every site), from the shapes
+    alone (no record needed)."""
+    per_site = site_bytes_per_token(config, fmt, mode)
+    per_layer = sum(v for site, v in per_site.items() if sites is None or site in set(sites))
     return {layer: float(per_layer) for layer in range(config.n_layers) if config.is_quantized_layer(layer)}
 
 

@@ -421,11 +421,14 @@ class BatchRecord:
         return replace(self, data=self.data[:, :length], routes=self.routes[:, :, :length],
                        valid=self.valid[:, :length], _refs={})
 
-    def compact(self, mode: str | None = None, layers: Iterable[int] | None = None) -> BatchRecord:
-        """A smaller batch record on the same device: only `layers`, and parity bits instead of codes if mode is
-        "parity" (one repack of the bytes, no per-sequence work)."""
+    def compact(self, mode: str | None = None, layers: Iterable[int] | None = None,
+                sites: Iterable[str] | None = None) -> BatchRecord:
+        """A smaller batch record on the same device: only `layers` and `sites` (None: all), and parity bits instead
+        of codes if mode is "parity" (one repack of the bytes, no per-sequence work)."""
         keep = None if layers is None else set(layers)
-        keys = [key for key in self.layout.keys if keep is None or key[0] in keep]
+        keep_sites = None if sites is None else set(sites)
+        keys = [key for key in self.layout.keys
+                if (keep is None or key[0] in keep) and (keep_sites is None or key[1] in keep_sites)]
         layout = self.layout.select(keys, check_guidance_mode(mode or self.mode))
         if layout == self.layout:
             return self

@@ -174,7 +174,8 @@ class DepthSelectiveCompaction(L.Callback):
         audit = self.layer_agreement or None
         if policy.startswith("auto") and audit is None:
             policy = "all"  # no audit yet: record everything until the first ranking exists
-        layers = select_layers(policy, config.n_layers, layer_bytes_per_token(config, module.fmt, mode), audit)
+        costs = layer_bytes_per_token(config, module.fmt, mode, sites=module.trace.sites)
+        layers = select_layers(policy, config.n_layers, costs, audit)
         worker.record_layers = layers if module.method.records else []
         every = module.trace.audit_every if self.audit_every is None else self.audit_every
         # trainer.global_step is the index of the next step to run (at fit start and after each step).

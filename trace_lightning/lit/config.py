@@ -14,6 +14,7 @@ from typing import Any
 
 from trace_lightning.guidance.compaction import parse_layer_policy
 from trace_lightning.methods import METHODS
+from trace_lightning.model.hooks import SITES
 from trace_lightning.ops import BACKENDS
 from trace_lightning.quant import parse_format
 from trace_lightning.rl import ADVANTAGES, AGG_MODES, CORRECTIONS, POLICY_LOSSES
@@ -58,6 +59,9 @@ class TraceConfig:
     """FP4 format: nvfp4 | mxfp4 | mxfp4:rceil."""
     layers: str | None = None
     """Guidance layer policy (all, none, last:K, deep:F, budget:BYTES, auto); None takes the method's default."""
+    sites: list[str] | None = None
+    """Activation sites the record keeps in the chosen layers (attn_in, k, v, attn_out, moe_in, moe_down,
+    shared_down); None: all. Unrecorded sites round to nearest on their own scales, as fp4_qat does."""
     route_replay: bool = False
     """Training uses the rollout's routed experts (gate weights still from training's router)."""
     audit_every: int = 10
@@ -80,6 +84,11 @@ class TraceConfig:
                 parse_layer_policy(self.layers)
             except ValueError as err:
                 raise ValueError(f"trace.layers: {err}") from None
+        if self.sites is not None:
+            unknown = [s for s in self.sites if s not in SITES]
+            if unknown or not self.sites:
+                raise ValueError(f"trace.sites: unknown sites {unknown} (or an empty list); expected some of: "
+                                 f"{', '.join(SITES)}")
         check_int("trace.audit_every", self.audit_every, 0)
         check_choice("trace.rollout_compute", self.rollout_compute, COMPUTE_DTYPES)
         check_choice("trace.backend", self.backend, BACKENDS)

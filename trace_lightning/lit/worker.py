@@ -97,8 +97,11 @@ class RolloutWorker(L.LightningModule):
         layers = {layer for layer in every if config.is_quantized_layer(layer)}
         if not layers:
             return None
-        # an audit needs the codes of every layer; otherwise record only what guidance reads (parity: 4x smaller)
-        return CaptureSpec(layers=layers, mode="full" if self.audit_next else self.method.guidance_mode or "full")
+        # an audit needs the codes of every layer and site; otherwise record only what guidance reads (parity: 4x
+        # smaller, and only trace.sites)
+        if self.audit_next:
+            return CaptureSpec(layers=layers, mode="full")
+        return CaptureSpec(layers=layers, sites=self.trace.sites or "all", mode=self.method.guidance_mode or "full")
 
     def generate(
         self,
@@ -177,7 +180,8 @@ class RolloutWorker(L.LightningModule):
         start = time.perf_counter()
         record = out.record.window(batch.tokens.shape[1] - 1)
         if self.method.records:
-            batch.record = record.compact(self.method.guidance_mode or "full", layers=self.record_layers)
+            batch.record = record.compact(self.method.guidance_mode or "full", layers=self.record_layers,
+                                          sites=self.trace.sites)
         if self.audit_next:
             batch.audit_record = record
         elapsed = time.perf_counter() - start
