@@ -1,4 +1,4 @@
-"""Run the simulator RL fit for each training method and write a results table and curves.
+"""Run the RL fit for each training method and write a results table and curves.
 
 All methods share one supervised warm start (trained once and kept under --out; each method then
 starts from its weights with `--model.init_from`), so they differ only in the RL phase: how the
@@ -6,11 +6,17 @@ rollout quantizes and how training follows it. Results go to docs/results.md (se
 
     python tools/run_methods.py --methods bf16 fp4_naive fp4_qat fp4_qat_tis trace trace_compact \
         --seeds 0 --warmup-steps 250 --rl-steps 100
+
+On a GPU, stack its config on the CPU run's and name the section and the machine:
+
+    python tools/run_methods.py --config conf/gpu.yaml --methods bf16 fp4_qat trace_compact --warmup-steps 300 \
+        --rl-steps 200 --name gpu --machine "1x H200"
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -18,13 +24,15 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTION = "## RL runs (tools/run_methods.py)"
+CONFIGS: list[str] = []
+"""Configs stacked on conf/sim.yaml (--config), e.g. conf/gpu.yaml."""
 
 
 def fit(args: list[str]) -> None:
     from trace_lightning.lit.cli import main
 
-    main(["fit", "--config", str(ROOT / "conf" / "sim.yaml"), *args])
+    stacked = [arg for config in CONFIGS for arg in ("--config", config)]
+    main(["fit", "--config", str(ROOT / "conf" / "sim.yaml"), *stacked, *args])
 
 
 def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -46,7 +54,6 @@ def run_method(method: str, seed: int, warm_ckpt: Path, out: Path, rl_steps: int
         "--model.init_from", str(warm_ckpt), "--trainer.max_steps", str(rl_steps),
         "--trainer.val_check_interval", str(rl_steps // 2),
         "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", name,
-        "--trainer.enable_checkpointing", "false",
     ])
     s = scalars(latest_version(out, name))
     reward = [v for _, v in s.get("reward/mean", [])]
@@ -84,14 +91,18 @@ def plot(results: list[dict], key: str, path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(results: list[dict], command: str, warmup: int, rl_steps: int) -> None:
+def section(name: str) -> str:
+    return "## RL runs (tools/run_methods.py)" if name == "sim" else f"## RL runs, {name} (tools/run_methods.py)"
+
+
+def write_results(results: list[dict], command: str, warmup: int, rl_steps: int, name: str, machine: str) -> None:
     ptq = [r["fp4_accuracy"] for r in results if r["method"] == "bf16"]
     lines = [
-        SECTION,
+        section(name),
         "",
-        f"Command: `{command}` (2026-12-02, 2-core CPU shared with other jobs, debug-moe, arithmetic; {warmup}",
-        f"shared warm-start steps, then {rl_steps} RL steps per method). `ptq` = the bf16 method's policy",
-        "quantized post hoc by the FP4 engine.",
+        f"Command: `{command}` ({datetime.date.today()}, {machine}; configs: conf/sim.yaml "
+        f"{' '.join(CONFIGS)}; {warmup} shared warm-start steps, then {rl_steps} RL steps per method). `ptq` = the",
+        "bf16 method's policy quantized post hoc by the FP4 engine.",
         "",
         "| method | seed | reward (first 5 RL steps) | final reward | mean k3_kl | FP4 accuracy | BF16 accuracy |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -103,10 +114,11 @@ def write_results(results: list[dict], command: str, warmup: int, rl_steps: int)
         )
     if ptq:
         lines += ["", f"ptq accuracy (bf16-trained, FP4 post hoc): {sum(ptq) / len(ptq):.3f}"]
-    lines += ["", "![reward](figures/rl_reward.png)", "", "![k3_kl](figures/rl_k3_kl.png)", ""]
+    prefix = "" if name == "sim" else f"{name}_"
+    lines += ["", f"![reward](figures/{prefix}rl_reward.png)", "", f"![k3_kl](figures/{prefix}rl_k3_kl.png)", ""]
     path = ROOT / "docs" / "results.md"
     text = path.read_text() if path.exists() else "# Results\n\n"
-    text = re.sub(re.escape(SECTION) + r".*?(?=\n## |\Z)", "", text, flags=re.S).rstrip() + "\n\n"
+    text = re.sub(re.escape(section(name)) + r".*?(?=\n## |\Z)", "", text, flags=re.S).rstrip() + "\n\n"
     path.write_text(text + "\n".join(lines))
 
 
@@ -118,7 +130,11 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=250)
     parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "methods")
+    parser.add_argument("--config", action="append", default=[], help="a config stacked on conf/sim.yaml (repeatable)")
+    parser.add_argument("--name", default="sim", help="results section and figure prefix (sim: the CPU run's)")
+    parser.add_argument("--machine", default="2-core CPU", help="where it ran, for the results text")
     args = parser.parse_args()
+    CONFIGS.extend(args.config)
     os.environ.setdefault("PYTHONHASHSEED", "0")
     results = []
     for seed in args.seeds:
@@ -132,12 +148,13 @@ def main() -> None:
         for method in args.methods:
             results.append(run_method(method, seed, ckpt, args.out, args.rl_steps))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "curves"}), flush=True)
-    for key, name in (("reward", "rl_reward.png"), ("k3_kl", "rl_k3_kl.png")):
-        plot(results, key, ROOT / "docs" / "figures" / name)
+    prefix = "" if args.name == "sim" else f"{args.name}_"
+    for key, figure in (("reward", "rl_reward.png"), ("k3_kl", "rl_k3_kl.png")):
+        plot(results, key, ROOT / "docs" / "figures" / f"{prefix}{figure}")
     command = "python tools/run_methods.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items() if k != "out")
-    write_results(results, command, args.warmup_steps, args.rl_steps)
+        for k, v in vars(args).items() if k not in ("out", "machine") and v)
+    write_results(results, command, args.warmup_steps, args.rl_steps, args.name, args.machine)
 
 
 if __name__ == "__main__":
