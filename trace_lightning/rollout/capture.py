@@ -76,11 +76,11 @@ class RowBuffer:
                                                    device=t.device)
                 self.dtypes[f.name] = t.dtype
 
-    def write(self, q: BlockFP4, positions: Tensor) -> None:
-        """Store q (leading dims (B, T)) at positions (B, T)."""
+    def write(self, q: BlockFP4, positions: Tensor, rows: Tensor | None = None) -> None:
+        """Store q (leading dims (B, T)) at [rows, positions] (B, T); rows default to the batch index."""
         if self.template is None:
             self._allocate(q)
-        rows = batch_rows(positions)
+        rows = batch_rows(positions) if rows is None else rows
         for name, buf in self.buffers.items():
             t = getattr(q, name)
             buf[rows, positions] = t.view(buf.dtype) if t.dtype != buf.dtype else t
@@ -111,7 +111,8 @@ class Recorder:
     """Collects the requested (layer, site) BlockFP4 rows and every layer's routes, by token position.
 
     The engine sets ``positions`` (B, T) before each forward; the hook, the FP4 experts and the FP4 cache
-    call ``observe``.
+    call ``observe``. With continuous batching a forward's batch rows are cache slots, not sequences: the
+    engine then also sets ``rows`` (B,), the sequence (output row) of each batch row.
     """
 
     def __init__(self, spec: CaptureSpec | None, layers: frozenset[int], batch: int, max_len: int,
@@ -121,8 +122,16 @@ class Recorder:
         self.layers = layers
         self.batch, self.max_len = batch, max_len
         self.positions: Tensor | None = None
+        self.rows: Tensor | None = None
         self.buffers: dict[SiteKey, RowBuffer] = {}
         self.routes = torch.zeros(n_layers, batch, max_len, top_k, dtype=torch.int64, device=device)
+
+    def output_rows(self) -> Tensor:
+        """(B, T) output row of each token of the current forward: ``rows[b]`` when set, else b."""
+        assert self.positions is not None, "set Recorder.positions before the forward"
+        if self.rows is None:
+            return batch_rows(self.positions)
+        return self.rows[:, None].expand_as(self.positions)
 
     def wants(self, layer: int, site: str) -> bool:
         return layer in self.layers and site in self.sites
@@ -134,12 +143,12 @@ class Recorder:
         assert self.positions is not None, "set Recorder.positions before the forward"
         if (layer, site) not in self.buffers:
             self.buffers[(layer, site)] = RowBuffer(self.batch, self.max_len)
-        self.buffers[(layer, site)].write(q, self.positions)
+        self.buffers[(layer, site)].write(q, self.positions, self.output_rows())
 
     def observe_routes(self, routes: list[Tensor]) -> None:
         """Per layer (B, T, K) expert ids of the current forward."""
         assert self.positions is not None, "set Recorder.positions before the forward"
-        self.routes[:, batch_rows(self.positions), self.positions] = torch.stack(routes)
+        self.routes[:, self.output_rows(), self.positions] = torch.stack(routes)
 
     def sequence_routes(self, lengths: list[int]) -> list[Tensor]:
         """Per sequence int64 [L, n_b, K] for record lengths n_b, on the CPU."""
