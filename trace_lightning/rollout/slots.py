@@ -79,6 +79,7 @@ class SlotLoop(DecodeLoop):
         self.refills = 0
         # host bounds for the eager loop's attention window: the position each slot writes next, and its last
         self.next_pos, self.last_pos = [0] * state.n_slots, [0] * state.n_slots
+        self.ends_at = [0] * state.n_slots  # host: the step before which each slot is done by length at the latest
 
     def step(self) -> None:
         """One decode step of every slot, device ops only; a done slot runs on (frozen) but writes no output."""
@@ -96,29 +97,36 @@ class SlotLoop(DecodeLoop):
         st.step += 1
 
     def run(self) -> int:  # type: ignore[override]
-        """Fill every slot, then decode until every sequence is done -> decode steps run."""
-        self._fill(list(range(self.state.n_slots)), fresh=True)
+        """Fill every slot, then decode until every sequence is done -> decode steps run.
+
+        The host checks the done flags every ``sync_every`` steps (for stop tokens) and also at the step where a
+        slot is known to reach its max_new_tokens while prompts wait, so a slot ended by its length is refilled
+        at once; once no prompt waits, the loop ends without a check when every slot's budget has run out."""
+        self._fill(list(range(self.state.n_slots)), at=1, fresh=True)
         i = 0
         while True:
             i += 1
-            if i % self.sync_every == 0 and not self._refill():
+            if not self.waiting and i >= max(self.ends_at):
+                return i - 1
+            due = i % self.sync_every == 0 or (self.waiting and i >= min(self.ends_at))
+            if due and not self._refill(i):
                 return i - 1
             self.advance(max(self.next_pos) + 1, capture=i >= 3)
             self.next_pos = [min(p + 1, last) for p, last in zip(self.next_pos, self.last_pos, strict=True)]
 
-    def _refill(self) -> bool:
-        """At a host check: give done slots the waiting prompts, in order (again if a new one ends at once,
-        e.g. max_new_tokens 1) -> whether any slot is still decoding."""
+    def _refill(self, i: int) -> bool:
+        """Host check before step i: give done slots the waiting prompts, in order (again if a new one ends at
+        once, e.g. max_new_tokens 1) -> whether any slot is still decoding."""
         while True:
             done = self.state.done.tolist()  # the host sync
             free = [s for s, d in enumerate(done) if d][: len(self.waiting)]
             if not free:
                 return not all(done)
-            self._fill(free, fresh=False)
+            self._fill(free, at=i, fresh=False)
             self.refills += len(free)
 
-    def _fill(self, slots: list[int], fresh: bool) -> None:
-        """Prefill the next waiting prompts into `slots` and seat them with their step-0 token."""
+    def _fill(self, slots: list[int], at: int, fresh: bool) -> None:
+        """Prefill the next waiting prompts into `slots` and seat them with their step-0 token, before step `at`."""
         seqs = [self.waiting.popleft() for _ in slots]
         logits = self.prefill(slots, seqs, fresh)
         dev = self.state.tokens.device
@@ -127,3 +135,4 @@ class SlotLoop(DecodeLoop):
         self.state.seat(slot_t, seq_t, tok, lp)
         for s, q in zip(slots, seqs, strict=True):
             self.next_pos[s], self.last_pos[s] = self.lens[q], self.lens[q] + self.max_new[q] - 1
+            self.ends_at[s] = at + self.max_new[q] - 1  # the first step before which its budget is spent
