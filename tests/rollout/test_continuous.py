@@ -143,3 +143,21 @@ def test_refills_between_graph_replays(
     assert got.stats["graph_steps"] > 0 and got.stats["refills"] == want.stats["refills"] == len(PROMPTS) - 3
     assert got.stats["decode_steps"] == want.stats["decode_steps"]
     assert_same_rollout(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", FP4Precision(compute_dtype="bf16")], ids=["bf16", "nvfp4-bf16"])
+def test_cuda_graph_slots_equal_eager_slots(base_model: Transformer, precision: FP4Precision | str) -> None:
+    """The real capture on CUDA (Triton kernels, fused attention on the packed cache, value tiles): the slot step
+    replayed across refills gives the eager slot loop's tokens, routes and record bytes."""
+    model = copy.deepcopy(base_model).to("cuda")  # the fixture is shared by the module
+    capture = CaptureSpec() if isinstance(precision, FP4Precision) else None
+    params = SamplingParams(max_new_tokens=MAX_NEW, seed=SEED)
+    runs = {
+        graph: Engine(copy.deepcopy(model), precision, cuda_graph=graph, sync_every=2).generate(
+            PROMPTS, params, capture=capture, max_batch=3
+        )
+        for graph in (False, True)
+    }
+    assert runs[True].stats["graph_steps"] > 0 and runs[True].stats["refills"] == len(PROMPTS) - 3
+    assert_same_rollout(runs[True], runs[False])
