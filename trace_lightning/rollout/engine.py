@@ -99,7 +99,8 @@ class Engine:
 
         max_batch: decode at most this many sequences at once (continuous batching, rollout/slots.py: a slot
         whose sequence ends takes the next prompt); None or >= len(prompts): all prompts as one static batch.
-        A sequence's tokens, routes and records do not depend on it."""
+        A sequence's outputs depend on it no more than on the batch it shares (tests/rollout/test_continuous.py).
+        The KV cache then holds max_batch rows, the records (routes, captures) one row per prompt."""
         prompts, max_new, seeds = self._validate(prompts, params)
         slots = _slot_count(max_batch, len(prompts))
         if slots < len(prompts):
