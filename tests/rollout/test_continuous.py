@@ -82,6 +82,23 @@ def test_mxfp4_records_through_refills(model: Transformer) -> None:
         assert_same_sequence(out, i, static, i)
 
 
+def test_refills_copy_the_gpu_cache_layouts(model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused attention on the packed cache with the GPU's layouts (codes in words, values in tiles), which the sim
+    writes and reads too: a refill's copy of whole rows keeps them, and attention reads them as written."""
+    import trace_lightning.sim as sim
+
+    monkeypatch.setattr(sim, "prefers_word_layout", lambda *args, **kwargs: True)
+    monkeypatch.setattr(sim, "prefers_value_tiles", lambda *args, **kwargs: True)
+    engine = Engine(model, FP4Precision(compute_dtype="fp32"), fused_attention=True, sync_every=2)
+    layers = engine._cache(2, 16, None).layers.values()  # type: ignore[attr-defined]
+    assert all(layer.words and layer.value_tiles for layer in layers)
+    params = SamplingParams(max_new_tokens=MAX_NEW, seed=SEED)
+    static = engine.generate(PROMPTS, params, capture=CaptureSpec())
+    out = engine.generate(PROMPTS, params, capture=CaptureSpec(), max_batch=2)
+    for i in range(len(PROMPTS)):
+        assert_same_sequence(out, i, static, i)
+
+
 def test_refills_keep_a_long_tailed_mix_in_fewer_steps(model: Transformer) -> None:
     """One long and many short sequences in 2 slots: the long one holds a slot while the other slot runs through
     the short ones, where static batches of 2 wait for their slowest row each time."""
