@@ -6,8 +6,9 @@ everything a decode step feeds the model are indexed by slot. ``slot_seq`` (slot
 slot holds, and a step gathers that sequence's prompt length, budget and sampling key through it, with the
 slot's own step counter: a sequence sees the positions and the noise (a function of its key and step) it
 would see in a static batch or alone. The step is device-only like DecodeLoop's, so it can still be captured
-and replayed as a CUDA graph: refills run between steps, at the ``sync_every`` host check, and write only
-into the buffers the step reads (in place).
+and replayed as a CUDA graph: refills run between steps, at a host check (every ``sync_every`` steps, and at
+the step where a slot's max_new_tokens runs out, which the host knows without asking), and write only into the
+buffers the step reads (in place). The host sync is the same one the static loop makes to see which rows are done.
 """
 
 from __future__ import annotations
