@@ -12,6 +12,15 @@ what fused attention over the packed cache computes. With ``fused_attention`` (t
 the Triton backend) NVFP4 layers skip that window: ``attend`` runs ``ops.fp4_kv_attention`` on the packed
 cache itself, so a decode step reads 4.5-bit keys and values instead of materializing bf16 copies.
 Boundary (bf16) layers keep a dense cache.
+
+Continuous batching (rollout/slots.py) indexes the cache by slot and refills a slot with a new prompt while
+the other slots keep decoding. The model's forward writes cache rows by batch index, and ``ops.kv_append``
+writes rows 0..B-1 of its store, so a refill prefills its k prompts into a fresh k-row cache and
+``copy_rows`` copies those whole rows (every position, every layer, every layout: plain bytes) into the
+slots' rows. That is exact, and the refilled row then equals a fresh cache's row. Stale rows would be
+harmless anyway: a query at position p reads keys 0..p only (``allowed`` masks the window before SDPA; the
+sim's ``fp4_kv_attention`` masks scores to -inf, and the Triton kernel never loads keys past p), and the
+prefill writes positions 0..len-1 before any decode step of that sequence reads them.
 """
 
 from __future__ import annotations
@@ -51,6 +60,12 @@ class KVCache:
         self.k[layer][rows, positions] = k.to(self.dtype)
         self.v[layer][rows, positions] = v.to(self.dtype)
         return self.k[layer][:, :n], self.v[layer][:, :n], self.allowed(positions)
+
+    def copy_rows(self, source: KVCache, rows: Tensor) -> None:
+        """Overwrite rows (k,) of this cache with the whole rows 0..k-1 of ``source`` (same layers and layout)."""
+        for mine, theirs in ((self.k, source.k), (self.v, source.v)):
+            for layer, t in mine.items():
+                t[rows] = theirs[layer]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor | None:
         """Store k, v and return attention (B, T, Hq, Dh) computed on the stored form, or None when this layer
@@ -109,6 +124,27 @@ class FP4KVCache(KVCache):
         self._record(layer, *self.ops.kv_append(store, k, v, positions))
         out = self.ops.fp4_kv_attention(q.transpose(1, 2).contiguous(), store, positions, scale)  # (B, Hq, T, Dh)
         return out.transpose(1, 2)
+
+    def copy_rows(self, source: KVCache, rows: Tensor) -> None:
+        assert isinstance(source, FP4KVCache) and source.fmt == self.fmt
+        super().copy_rows(source, rows)
+        if self.fmt.kind == "nvfp4":
+            pairs = [(t, s) for i in self.layers for t, s in zip(self.layers[i].tensors(), source.layers[i].tensors(),
+                                                                 strict=True)]
+        else:
+            pairs = [(self._allocated(mine, theirs).buffers[name], theirs.buffers[name])
+                     for i in self.mx for mine, theirs in zip(self.mx[i], source.mx[i], strict=True)
+                     for name in theirs.buffers]
+        for t, s in pairs:  # 1-byte floats (E4M3 scales) as bytes: indexed writes work on every device
+            bytewise = t.is_floating_point() and t.element_size() == 1
+            (t.view(torch.uint8) if bytewise else t)[rows] = s.view(torch.uint8) if bytewise else s
+
+    @staticmethod
+    def _allocated(mine: RowBuffer, theirs: RowBuffer) -> RowBuffer:
+        """mine, with buffers allocated like theirs (a RowBuffer allocates on its first write)."""
+        if mine.template is None and theirs.template is not None:
+            mine._allocate(theirs.template)
+        return mine
 
     def _record(self, layer: int, qk: BlockFP4, qv: BlockFP4) -> None:
         """The k / v sites' FP4 rows, as written to the cache, into the rollout record."""

@@ -79,11 +79,11 @@ class RowBuffer:
                                                    device=t.device)
                 self.dtypes[f.name] = t.dtype
 
-    def write(self, q: BlockFP4, positions: Tensor) -> None:
-        """Store q (leading dims (B, T)) at positions (B, T)."""
+    def write(self, q: BlockFP4, positions: Tensor, rows: Tensor | None = None) -> None:
+        """Store q (leading dims (B, T)) at [rows, positions] (B, T); rows default to the batch index."""
         if self.template is None:
             self._allocate(q)
-        rows = batch_rows(positions)
+        rows = batch_rows(positions) if rows is None else rows
         for name, buf in self.buffers.items():
             t = getattr(q, name)
             buf[rows, positions] = t.view(buf.dtype) if t.dtype != buf.dtype else t
@@ -113,10 +113,11 @@ class RowBuffer:
 class Recorder:
     """Writes the requested (layer, site) FP4 rows, packed by ``layout``, and every layer's routes, by token position.
 
-    Everything stays on the device in two preallocated tensors: the record bytes [B, S, layout.width] (parity
-    bits or codes, as the layout says, with the scales) and the routes [L, B, S, top_k]. The engine sets
-    ``positions`` (B, T) before each forward; the hook, the FP4 experts and the FP4 cache call ``observe``.
-    ``rows`` (B,), when set, is the output row each batch row writes to (default: the batch row itself).
+    Everything stays on the device in two preallocated tensors indexed by sequence and position: the record
+    bytes [B, S, layout.width] (parity bits or codes, as the layout says, with the scales) and the routes
+    [L, B, S, top_k]. The engine sets ``positions`` (B, T) before each forward; the hook, the FP4 experts and
+    the FP4 cache call ``observe``. With continuous batching a forward's batch rows are cache slots, not
+    sequences: the engine then also sets ``rows`` (B,), the sequence (output row) of each batch row.
     """
 
     def __init__(self, layout: RecordLayout | None, batch: int, max_len: int, n_layers: int, top_k: int,
@@ -131,15 +132,15 @@ class Recorder:
         self.data = torch.zeros(batch, max_len, width, dtype=torch.uint8, device=device)
         self.routes = torch.zeros(n_layers, batch, max_len, top_k, dtype=route_dtype(n_experts), device=device)
 
-    def wants(self, layer: int, site: str) -> bool:
-        return (layer, site) in self.slots
-
-    def _rows(self) -> Tensor:
-        """(B, T) output row of every position of the current forward."""
+    def output_rows(self) -> Tensor:
+        """(B, T) output row of each token of the current forward: ``rows[b]`` when set, else b."""
         assert self.positions is not None, "set Recorder.positions before the forward"
         if self.rows is None:
             return batch_rows(self.positions)
         return self.rows[:, None].expand_as(self.positions)
+
+    def wants(self, layer: int, site: str) -> bool:
+        return (layer, site) in self.slots
 
     def observe(self, q: BlockFP4, *, layer: int, site: str) -> None:
         """Write q (leading dims (B, T) of the current forward) into its slot if (layer, site) is recorded."""
@@ -147,12 +148,12 @@ class Recorder:
         if slot is None:
             return
         assert self.layout is not None
-        self.data[self._rows(), self.positions, slot.offset : slot.end] = self.layout.encode(slot.key, q)
+        self.data[self.output_rows(), self.positions, slot.offset : slot.end] = self.layout.encode(slot.key, q)
         self.observed.add(slot.key)
 
     def observe_routes(self, routes: list[Tensor]) -> None:
         """Per layer (B, T, K) expert ids of the current forward."""
-        self.routes[:, self._rows(), self.positions] = torch.stack(routes).to(self.routes.dtype)
+        self.routes[:, self.output_rows(), self.positions] = torch.stack(routes).to(self.routes.dtype)
 
     def valid(self, lengths: Tensor) -> Tensor:
         """(B, S) True at the positions 0 .. lengths[b] - 1 each row fed through the model."""

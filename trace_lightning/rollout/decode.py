@@ -66,16 +66,21 @@ class DecodeLoop:
         for i in range(1, n_steps + 1):
             if i % self.sync_every == 0 and bool(self.state.done.all()):
                 break
-            if self.graph is None and self.use_graph and i >= 3 and n_steps - i >= 2:
-                self._capture()  # steps 1-2 ran eagerly: kernels compiled, record buffers allocated
-            if self.graph is not None:
-                self.graph.replay()
-                self.graph_steps += 1
-            else:
-                self.cache.visible = visible(i)
-                self.step()
+            self.advance(visible(i), capture=i >= 3 and n_steps - i >= 2)
             steps += 1
         return steps
+
+    def advance(self, visible: int, capture: bool) -> None:
+        """One step: a graph replay, or an eager step attending over keys 0..visible-1. With `capture` the
+        first call captures the graph (steps 1-2 ran eagerly: kernels compiled, record buffers allocated)."""
+        if self.graph is None and self.use_graph and capture:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+            self.graph_steps += 1
+        else:
+            self.cache.visible = visible
+            self.step()
 
     def _capture(self) -> None:
         """Capture one step; the graph attends over the whole cache window (the mask hides the unwritten)."""

@@ -6,7 +6,9 @@ on the device, so the loop only syncs with the host every ``sync_every`` steps t
 are done. Rows finish independently; a finished row keeps running (its outputs are ignored) with its
 position frozen at its last slot, so it never writes outside its own budget. On GPU the decode step is
 captured once per call and replayed as a CUDA graph (rollout/decode.py), and FP4 layers attend on the packed
-cache directly (``fused_attention``).
+cache directly (``fused_attention``). With ``max_batch`` below the number of prompts, generate decodes in that
+many slots and refills a slot with the next prompt when its sequence ends (continuous batching,
+rollout/slots.py), so long-tailed response lengths do not leave most of the batch idle.
 
 The engine owns the model it is given: it converts it in place (FP4 modules, compute dtype).
 """
@@ -43,6 +45,7 @@ from trace_lightning.rollout.convert import (
 from trace_lightning.rollout.decode import DecodeLoop, DecodeState
 from trace_lightning.rollout.precision import FP4Precision, resolve_precision
 from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
+from trace_lightning.rollout.slots import SlotLoop, SlotState
 
 if TYPE_CHECKING:
     from trace_lightning.kernels import KernelOptions
@@ -91,10 +94,18 @@ class Engine:
 
     # ---- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 capture: CaptureSpec | None = None) -> RolloutBatch:
-        """Sample a response per prompt; see RolloutBatch for what comes back and how rows align."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, capture: CaptureSpec | None = None, *,
+                 max_batch: int | None = None) -> RolloutBatch:
+        """Sample a response per prompt; see RolloutBatch for what comes back and how rows align.
+
+        max_batch: decode at most this many sequences at once (continuous batching, rollout/slots.py: a slot
+        whose sequence ends takes the next prompt); None or >= len(prompts): all prompts as one static batch.
+        A sequence's outputs depend on it no more than on the batch it shares (tests/rollout/test_continuous.py).
+        The KV cache then holds max_batch rows, the records (routes, captures) one row per prompt."""
         prompts, max_new, seeds = self._validate(prompts, params)
+        slots = _slot_count(max_batch, len(prompts))
+        if slots < len(prompts):
+            return self._generate_continuous(prompts, max_new, seeds, params, capture, slots)
         c, B, dev = self.config, len(prompts), self.device
         lens = [len(p) for p in prompts]
         P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
@@ -122,8 +133,59 @@ class Engine:
         out = self._collect(prompts, max_new, tokens, logprobs, params, recorder, capture)
         out.stats = {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
                      "decode_steps": float(steps), "new_tokens": float(sum(len(r) for r in out.responses)),
-                     "graph_steps": float(loop.graph_steps)}
+                     "graph_steps": float(loop.graph_steps), "refills": 0.0}
         return out
+
+    def _generate_continuous(self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
+                             params: SamplingParams, capture: CaptureSpec | None, slots: int) -> RolloutBatch:
+        """generate with `slots` decode slots: outputs and records by sequence, the KV cache by slot."""
+        c, n, dev = self.config, len(prompts), self.device
+        lens = [len(p) for p in prompts]
+        S = max(m + k for m, k in zip(lens, max_new, strict=True))
+        recorder = Recorder(self.record_layout(capture), n, S, c.n_layers, c.top_k, c.n_experts, dev)
+        hook, cache = self._hook(recorder if capture else None), self._cache(slots, S, recorder if capture else None)
+        state = SlotState(torch.zeros(n, max(max_new), dtype=torch.long, device=dev),
+                          torch.zeros(n, max(max_new), dtype=torch.float32, device=dev), seed_keys(seeds, dev),
+                          torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev),
+                          torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=dev), slots)
+        prefill_s = 0.0
+
+        def prefill(slot_ids: list[int], seqs: list[int], fresh: bool) -> Tensor:
+            nonlocal prefill_s
+            start = time.perf_counter()
+            recorder.rows = torch.tensor(seqs, device=dev)
+            logits = self._prefill_rows([prompts[q] for q in seqs], slot_ids, cache, fresh, hook, recorder)
+            prefill_s += time.perf_counter() - start
+            return logits
+
+        def logits(tokens: Tensor, positions: Tensor) -> Tensor:
+            recorder.rows = state.slot_seq
+            return self.decode_one_token(tokens, positions, cache, hook, recorder)
+
+        draw = functools.partial(sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        loop = SlotLoop(logits, draw, state, cache, self.sync_every, self.cuda_graph and dev.type == "cuda", prefill,
+                        lens, max_new)
+        start = time.perf_counter()
+        steps = 1 + loop.run()
+        elapsed = time.perf_counter() - start
+        self._check_finite_logprobs(state.logprobs)
+        out = self._collect(prompts, max_new, state.tokens, state.logprobs, params, recorder, capture)
+        out.stats = {"prefill_s": prefill_s, "decode_s": elapsed - prefill_s, "decode_steps": float(steps),
+                     "new_tokens": float(sum(len(r) for r in out.responses)), "graph_steps": float(loop.graph_steps),
+                     "refills": float(loop.refills)}
+        return out
+
+    def _prefill_rows(self, prompts: list[list[int]], rows: list[int], cache: KVCache, fresh: bool,
+                      hook: FP4ActivationHook | None, recorder: Recorder) -> Tensor:
+        """prefill into cache rows `rows` -> logits (k, V). Into a fresh cache (the first fill of every row) the
+        forward writes directly; otherwise it runs on a k-row staging cache whose rows are then copied into
+        `rows` (the forward and ops.kv_append write rows by batch index; see rollout/cache.py)."""
+        if fresh:
+            return self.prefill(prompts, cache, hook, recorder)
+        staging = self._cache(len(rows), cache.max_len, recorder if recorder.layout is not None else None)
+        logits = self.prefill(prompts, staging, hook, recorder)
+        cache.copy_rows(staging, torch.tensor(rows, device=self.device))
+        return logits
 
     def prefill(self, prompts: list[list[int]], cache: KVCache, hook: FP4ActivationHook | None,
                 recorder: Recorder) -> Tensor:
@@ -335,6 +397,15 @@ def check_weights(named: Mapping[str, Tensor], where: str) -> None:
     name, t = next((n, t) for (n, t), ok in zip(named.items(), finite, strict=True) if not bool(ok))
     raise ValueError(f"{where}: weight {name!r} holds {int((~torch.isfinite(t)).sum())} non-finite (NaN or inf) "
                      "values")
+
+
+def _slot_count(max_batch: object, n: int) -> int:
+    """The number of decode slots: max_batch (an int >= 1) capped at n; None: n (one static batch)."""
+    if max_batch is None:
+        return n
+    if not _is_integer(max_batch) or int(operator.index(max_batch)) < 1:
+        raise ValueError(f"max_batch must be None or an integer >= 1, got {max_batch!r}")
+    return min(int(operator.index(max_batch)), n)
 
 
 def _is_integer(value: object) -> bool:
