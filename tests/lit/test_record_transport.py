@@ -30,6 +30,7 @@ class Seen(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.records: list[BatchRecord] = []
+        self.refills: list[float | None] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if isinstance(batch, TrainBatch) and batch.record is not None:
@@ -38,13 +39,15 @@ class Seen(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if isinstance(batch, TrainBatch):
             self.losses.append(float(outputs["loss"]))
+            self.refills.append(batch.rollout_stats.get("rollout/refills"))
 
 
-def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | None = None) -> Seen:
+def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | None = None,
+         max_batch: int | None = None) -> Seen:
     torch.manual_seed(0)
     module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2, sites=sites),
-                          rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3), warmup_steps=1,
-                          cpu_threads=1)
+                          rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3,
+                                                max_batch=max_batch), warmup_steps=1, cpu_threads=1)
     seen = Seen()
     trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -96,3 +99,15 @@ def test_trace_sites_limit_what_is_recorded_on_every_step(tmp_path: Path) -> Non
         assert {site for _, site in record.layout.keys} == {"moe_down", "v"} and record.mode == "parity"
     with pytest.raises(ValueError, match="trace.sites: unknown sites"):
         TraceConfig(sites=["q"])
+
+
+def test_continuous_batching_rollouts_train_with_whole_records(tmp_path: Path) -> None:
+    """rollout.max_batch: 3 slots for 8 rollouts a step; every record row the training window needs is there."""
+    seen = _fit(tmp_path, "device", max_batch=3)
+    assert len(seen.losses) == 3 and all(torch.isfinite(torch.tensor(seen.losses)))
+    assert seen.refills == [5.0] * 3  # 8 rollouts through 3 slots: 5 refills a step
+    for record in seen.records:
+        record.check()
+        assert record.valid.shape[0] == 8 and bool(record.valid[:, 0].all())
+    with pytest.raises(ValueError, match="rollout.max_batch must be an integer >= 1"):
+        RolloutConfig(max_batch=0)

@@ -48,3 +48,14 @@ def test_max_batch_is_the_largest_plan_within_the_budget(model: Transformer) -> 
     assert engine.memory_plan(n + 1, 512, capture).total + reserve > budget
     assert engine.max_batch(512, budget) > n  # without records more fits
     assert engine.max_batch(512, engine.weight_bytes()) == 0
+
+
+def test_a_continuous_plan_counts_slot_rows_of_cache_and_sequence_rows_of_record(model: Transformer) -> None:
+    engine = Engine(copy.deepcopy(model), FP4Precision(), backend="sim", cuda_graph=False)
+    capture, max_len = CaptureSpec(mode="parity"), 24
+    static = engine.memory_plan(8, max_len, capture)
+    slots = engine.memory_plan(8, max_len, capture, max_batch=2)
+    two_rows = engine._cache(2, max_len, None).nbytes()  # what generate allocates: 2 slots, and a refill's staging
+    assert slots.kv_cache == slots.refill_cache == two_rows and static.refill_cache == 0
+    assert (slots.records, slots.routes) == (static.records, static.routes)  # one row per sequence either way
+    assert engine.memory_plan(8, max_len, capture, max_batch=8) == static

@@ -110,10 +110,15 @@ class RolloutConfig:
     """Top-k truncation of sampling (0: off); logprobs stay untruncated."""
     top_p: float = 1.0
     """Top-p truncation of sampling (1.0: off)."""
+    max_batch: int | None = None
+    """Decode at most this many sequences at once, refilling a slot with the next rollout as soon as its
+    sequence ends (continuous batching); None: all prompts_per_step x group_size rollouts as one batch."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens"):
             check_int(f"rollout.{name}", getattr(self, name), 1)
+        if self.max_batch is not None:
+            check_int("rollout.max_batch", self.max_batch, 1)
         check_real("rollout.temperature", self.temperature, 0.0)
         check_int("rollout.top_k", self.top_k, 0)
         check_real("rollout.top_p", self.top_p, 0.0, low_open=True, high=1.0)

@@ -119,7 +119,7 @@ class RolloutWorker(L.LightningModule):
             seed=seed,
             stop_token_ids=[self.tokenizer.eos_id],
         )
-        return self.engine.generate(prompts, params, capture=capture)
+        return self.engine.generate(prompts, params, capture=capture, max_batch=r.max_batch)
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return [self.tokenizer.bos_id, *self.tokenizer.encode(problem.prompt)]
@@ -143,7 +143,10 @@ class RolloutWorker(L.LightningModule):
         rewards = torch.tensor([env.score(problems[i // g], t) for i, t in enumerate(texts)], dtype=torch.float32)
         batch = self._align(prompts, out, rewards, g)
         n_new = sum(len(r) for r in out.responses)
-        batch.rollout_stats = {"rollout/tokens_per_s": n_new / max(elapsed, 1e-9), "time/rollout_s": elapsed}
+        batch.rollout_stats = {"rollout/tokens_per_s": n_new / max(elapsed, 1e-9), "time/rollout_s": elapsed,
+                               "rollout/decode_steps": out.stats["decode_steps"]}
+        if self.rollout_cfg.max_batch is not None:
+            batch.rollout_stats["rollout/refills"] = out.stats["refills"]
         batch.samples = [
             {"prompt": problems[i // g].prompt, "response": texts[i], "reward": float(rewards[i])}
             for i in range(0, len(texts), max(1, len(texts) // 4))

@@ -314,13 +314,15 @@ class Engine:
             held += [d for d in dense if d is not None]
         return memory.tensor_bytes(self.model, held)
 
-    def memory_plan(self, batch: int, max_len: int, capture: CaptureSpec | None = None) -> memory.MemoryPlan:
+    def memory_plan(self, batch: int, max_len: int, capture: CaptureSpec | None = None, *,
+                    max_batch: int | None = None) -> memory.MemoryPlan:
         """What a generate call of `batch` sequences of up to `max_len` positions (prompt + new tokens) holds on
-        the device besides transient activations: weights, KV cache, the packed record, routes."""
+        the device besides transient activations: weights, KV cache, the packed record, routes (and, with
+        max_batch slots, a refill's staging cache)."""
         fp4, layout = self.fp4, self.record_layout(capture)
         kv_fmt = fp4.activation_format if fp4 is not None and fp4.kv else None
         return memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, kv_fmt,
-                           layout.width if layout is not None else 0)
+                           layout.width if layout is not None else 0, _slot_count(max_batch, batch))
 
     def max_batch(self, max_len: int, budget_bytes: int, *, capture: CaptureSpec | None = None,
                   reserve_bytes: int = 0) -> int:

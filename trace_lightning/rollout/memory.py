@@ -28,10 +28,12 @@ class MemoryPlan:
     kv_cache: int
     records: int
     routes: int
+    refill_cache: int = 0
+    """Continuous batching: the staging cache a refill prefills into (up to every slot's rows at once)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.records + self.routes
+        return self.weights + self.kv_cache + self.records + self.routes + self.refill_cache
 
 
 def tensor_bytes(module: nn.Module, extra: list[torch.Tensor]) -> int:
@@ -55,13 +57,18 @@ def kv_bytes_per_token(config: MoEConfig, dtype: torch.dtype, fp4: FP4Format | N
 
 
 def plan(config: MoEConfig, weights: int, batch: int, max_len: int, dtype: torch.dtype, kv_fmt: FP4Format | None,
-         record_width: int) -> MemoryPlan:
+         record_width: int, slots: int | None = None) -> MemoryPlan:
     """The plan for an engine computing in `dtype` whose cache is FP4 in `kv_fmt` (None: dense), recording
-    `record_width` bytes per position (its RecordLayout's width; 0 without capture)."""
+    `record_width` bytes per position (its RecordLayout's width; 0 without capture). With `slots` below `batch`
+    (continuous batching) the cache holds `slots` rows plus a refill's staging rows; records and routes stay one
+    row per sequence."""
     positions = batch * max_len
     route_bytes = torch.empty(0, dtype=route_dtype(config.n_experts)).element_size()
-    return MemoryPlan(weights=weights, kv_cache=round(positions * kv_bytes_per_token(config, dtype, kv_fmt)),
-                      records=positions * record_width, routes=positions * config.n_layers * config.top_k * route_bytes)
+    cache_row = round(max_len * kv_bytes_per_token(config, dtype, kv_fmt))
+    rows = batch if slots is None or slots >= batch else slots
+    return MemoryPlan(weights=weights, kv_cache=rows * cache_row, records=positions * record_width,
+                      routes=positions * config.n_layers * config.top_k * route_bytes,
+                      refill_cache=rows * cache_row if rows < batch else 0)
 
 
 def largest_batch(per_sequence: int, weights: int, budget: int, reserve: int) -> int:
