@@ -1,9 +1,12 @@
-"""CPU decode throughput of the embedded rollout engine on debug-moe, per precision, as a table.
+"""Throughput of the real rollout engine end to end (prefill included, records on where asked), per precision.
 
 Run: python tools/bench_engine.py --batch 8 --prompt-len 16 --new-tokens 64 --repeats 3
-Tokens/s counts generated tokens over the decode loop only (prefill timed separately); every row runs
-to max_new_tokens (no stop tokens). The FP4 rows go through the sim backend (the kernels' CPU twins),
-which dequantizes weights on every call, so they measure the emulation, not FP4 kernels.
+     python tools/bench_engine.py --preset small-moe --device cuda --batch 512 --prompt-len 24 --new-tokens 128
+Every row runs to max_new_tokens (no stop tokens). "tok/s" counts generated tokens over the whole generate call,
+prefill included (the device synchronized before the clock stops); "decode tok/s" the decode loop's alone (on a
+GPU the prefill's tail spills into it: the loop's first host check is where the device catches up). On the CPU
+the FP4 rows run the sim backend (the kernels' CPU twins, which dequantize weights on every call: they measure
+the emulation, not FP4 kernels); on CUDA the Triton kernels with CUDA graphs.
 
 With --long-tail SLOTS the --batch prompts get long-tailed response lengths (max_new_tokens per prompt drawn
 log-normal with a fixed seed, median --new-tokens / 8, capped at --new-tokens) and the table compares static
@@ -28,22 +31,39 @@ PRECISIONS: dict[str, FP4Precision | str] = {
     "nvfp4 W+A+KV (fp32 compute)": FP4Precision(compute_dtype="fp32"),
     "nvfp4 W+A+KV (bf16 compute)": FP4Precision(compute_dtype="bf16"),
     "nvfp4 W+A+KV bf16 + capture": FP4Precision(compute_dtype="bf16"),
+    "nvfp4 W+A+KV bf16 + parity records": FP4Precision(compute_dtype="bf16"),
     "mxfp4 W+A+KV (bf16 compute)": FP4Precision(fmt="mxfp4", compute_dtype="bf16"),
 }
+CAPTURES = {"nvfp4 W+A+KV bf16 + capture": CaptureSpec(),
+            "nvfp4 W+A+KV bf16 + parity records": CaptureSpec(mode="parity")}
+"""The rows that record: full codes of every layer and site, or parity bits (what trace_compact keeps)."""
+ON_GPU = ("bf16", "nvfp4 W+A+KV (bf16 compute)", "nvfp4 W+A+KV bf16 + parity records", "nvfp4 W+A+KV bf16 + capture")
+"""The rows a CUDA run shows by default."""
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def bench(model: Transformer, precision: FP4Precision | str, prompts: list[list[int]], params: SamplingParams,
-          repeats: int, capture: CaptureSpec | None) -> tuple[float, float]:
-    """Best-of-repeats (decode tokens/s, prefill ms)."""
-    engine = Engine(copy.deepcopy(model), precision, backend="sim")
-    engine.generate(prompts, SamplingParams(max_new_tokens=2), capture=capture)  # warm-up
-    best_tps, best_prefill = 0.0, float("inf")
+          repeats: int, capture: CaptureSpec | None, backend: str = "auto") -> tuple[float, float, float]:
+    """Best-of-repeats (tokens/s of the whole call, decode-loop tokens/s, prefill ms)."""
+    device = next(model.parameters()).device
+    engine = Engine(copy.deepcopy(model), precision, backend=backend)
+    engine.generate(prompts, SamplingParams(max_new_tokens=8), capture=capture)  # warm-up: compile, autotune
+    best_tps, best_decode, best_prefill = 0.0, 0.0, float("inf")
     for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
         out = engine.generate(prompts, params, capture=capture)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
         decoded = out.stats["new_tokens"] - len(prompts)  # the first token of each row comes from prefill
-        best_tps = max(best_tps, decoded / out.stats["decode_s"])
+        best_tps = max(best_tps, out.stats["new_tokens"] / elapsed)
+        best_decode = max(best_decode, decoded / out.stats["decode_s"])
         best_prefill = min(best_prefill, 1000 * out.stats["prefill_s"])
-    return best_tps, best_prefill
+    return best_tps, best_decode, best_prefill
 
 
 def long_tail_lengths(n: int, cap: int, sigma: float = 1.0) -> list[int]:
@@ -105,25 +125,33 @@ def main() -> None:
     parser.add_argument("--long-tail", type=int, default=0, metavar="SLOTS",
                         help="static vs continuous batching in SLOTS slots on long-tailed response lengths")
     parser.add_argument("--precision", action="append", choices=list(PRECISIONS),
-                        help="with --long-tail: the precisions to run (repeatable; default fp32)")
+                        help="the precisions to run (repeatable; default: all on the CPU, the bf16 / FP4 rows on "
+                             "CUDA, fp32 with --long-tail)")
+    parser.add_argument("--preset", default="debug-moe", help="model preset (random weights)")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--backend", default="auto", help="auto (Triton on CUDA, sim on the CPU), triton or sim")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Transformer.from_name("debug-moe").eval()
+    overrides = {"n_layers": args.layers} if args.layers else {}
+    model = Transformer.from_name(args.preset, **overrides).to(args.device).eval()
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
-    print(f"debug-moe, batch {args.batch}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
+    print(f"{args.preset} ({model.config.n_layers} layers), batch {args.batch}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, {where}, torch {torch.__version__}")
     if args.long_tail:
         main_long_tail(model, prompts, args)
         return
-    print(f"{'precision':<30} {'decode tok/s':>12} {'prefill ms':>11}")
-    for name, precision in PRECISIONS.items():
-        capture = CaptureSpec() if "capture" in name else None
-        tps, prefill = bench(model, precision, prompts, params, args.repeats, capture)
-        print(f"{name:<30} {tps:>12.0f} {prefill:>11.1f}")
+    names = args.precision or (list(ON_GPU) if args.device.startswith("cuda") else list(PRECISIONS))
+    print("| precision | tok/s (whole call) | decode tok/s | prefill ms |\n|---|---:|---:|---:|")
+    for name in names:
+        tps, decode, prefill = bench(model, PRECISIONS[name], prompts, params, args.repeats, CAPTURES.get(name),
+                                     args.backend)
+        print(f"| {name} | {tps:.0f} | {decode:.0f} | {prefill:.1f} |")
 
 
 if __name__ == "__main__":
