@@ -5,22 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
 
 from trace_lightning.guidance import BatchRecord, ModelIdentity, QuantRecord, collate_records
-from trace_lightning.guidance.layout import RecordLayout, parity_bits
+from trace_lightning.guidance.layout import RecordLayout
 from trace_lightning.quant import FP4Format, parse_format
-
-
-def test_parity_bits_are_the_codes_low_bits_packed_lsb_first() -> None:
-    """Against numpy's bit packing of the codes' mantissa bits (element i at bit i % 8 of byte i // 8)."""
-    g = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (3, 5, 64), generator=g, dtype=torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    expected = np.packbits((codes.numpy() & 1).astype(bool), axis=-1, bitorder="little")
-    assert np.array_equal(parity_bits(packed).numpy(), expected)
+from trace_lightning.sim import write_record_slot
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4:none", "mxfp4:floor", "mxfp4:rceil"])
@@ -35,7 +26,9 @@ def test_layout_round_trips_each_site_and_keeps_slots_aligned(fmt: str) -> None:
     originals = {}
     for key, (rows, k) in shapes.items():
         q = fp4.quantize(torch.randn(2, 7, *rows, k, generator=g) * 3)
-        data[..., layout.slot(key).offset : layout.slot(key).end] = layout.encode(key, q)
+        g_rows = q.global_scale.reshape(14, -1) if getattr(q, "global_scale", None) is not None else None
+        write_record_slot(data, torch.arange(14), q.packed.reshape(14, -1), q.scale_bytes().reshape(14, -1), g_rows,
+                          layout.slot(key).offset, parity=False)
         originals[key] = q
     for key, q in originals.items():
         back = layout.blocks(data, key)

@@ -47,16 +47,17 @@ def test_triton_engine_equals_the_sim_engine_in_fp32(model: Transformer, device:
 @pytest.mark.slow  # the whole engine under the interpreter: CI runs it in its slow pass
 def test_triton_records_guide_training_to_the_triton_codes(model: Transformer, device: str) -> None:
     out = _generate(model, "triton", torch.bfloat16, device, 1.0)
-    full = [QuantRecord.from_captures(c, r, out.policy_version) for c, r in zip(out.captures, out.routes, strict=True)]
     seqs = [p + r for p, r in zip(PROMPTS, out.responses, strict=True)]
     width = max(len(s) for s in seqs)
-    tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])[:, :-1]
-    mask = torch.tensor([[True] * len(s) + [False] * (width - len(s)) for s in seqs])[:, :-1]
-    guide = collate_records([r.compact("parity") for r in full], tokens.shape[1])
-    audit = collate_records(full, tokens.shape[1])
+    tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)[:, :-1]
+    mask = torch.tensor([[True] * len(s) + [False] * (width - len(s)) for s in seqs], device=device)[:, :-1]
+    audit = out.record.window(tokens.shape[1])  # the packed record the Triton kernels wrote, as the worker cuts it
+    guide = audit.compact("parity")
+    full = [QuantRecord.from_captures(c, r, out.policy_version) for c, r in zip(out.captures, out.routes, strict=True)]
+    assert torch.equal(collate_records(full, tokens.shape[1]).data.cpu(), audit.data.cpu())  # the bytes transport's
     hook = GuidedHook("nvfp4", guide, "parity", mask, audit=audit)
     with torch.no_grad():  # training's forward: the fp32 master model, routes replayed
-        model(tokens, attention_mask=mask, hook=hook, routed=guide.routes_for_replay())
+        model.to(device)(tokens, attention_mask=mask, hook=hook, routed=guide.routes_for_replay())
     metrics = hook.metrics()
     assert len([k for k in metrics if k.startswith("quant/value_agreement/")]) == 2 * 6  # every site of 2 layers
     assert metrics["quant/value_agreement"] == 1.0

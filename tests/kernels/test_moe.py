@@ -174,7 +174,7 @@ def test_backends_expose_the_same_ops() -> None:
 
     names = ("quantize_nvfp4", "quantize_nvfp4_rows", "fake_quantize_nvfp4_rows", "quantize_mxfp4", "pack_parity",
              "fp4_linear", "fp4_moe", "kv_append", "fp4_kv_attention", "prepare_weight",
-             "prefers_word_layout", "prefers_value_tiles")
+             "prefers_word_layout", "prefers_value_tiles", "write_record_slot")
     for name in names:
         positional = [p for p in inspect.signature(getattr(sim, name)).parameters.values()
                       if p.kind is not inspect.Parameter.KEYWORD_ONLY]  # sim-only numerics options are keyword-only

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from trace_lightning.model.config import MoEConfig
 from trace_lightning.quant import MXFP4, NVFP4, BlockFP4, FP4Format
+from trace_lightning.sim.quantize import pack_parity
 
 SiteKey = tuple[int, str]
 GLOBAL_SCALE_BYTES = 4
@@ -27,7 +28,6 @@ ONE_SCALE_BYTE = {"nvfp4": 0x38, "mxfp4": 127}
 """Block-scale bytes that decode to exactly 1.0: padded rows dequantize to finite zeros, never NaN."""
 _ALIGN, _ROW_ALIGN = 4, 16
 _MULTI_ROW_SITES = frozenset({"k", "v", "moe_down"})
-_PARITY_SHIFTS = (0, 2, 4, 6)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -42,21 +42,6 @@ def site_rows(config: MoEConfig) -> dict[str, tuple[int, int]]:
     if c.n_shared_experts:
         rows["shared_down"] = (1, c.shared_intermediate)
     return rows
-
-
-def parity_bits(packed: Tensor) -> Tensor:
-    """Packed E2M1 codes uint8 [..., K/2] -> their mantissa bits packed 8 per byte, uint8 [..., K/8].
-
-    Element i's bit lands at bit i % 8 of byte i // 8 (what ``record.pack_bits`` writes), read straight from
-    the code bytes without unpacking them: byte j of four holds elements 2j (low nibble) and 2j + 1 (high)."""
-    if packed.shape[-1] % 4:
-        raise ValueError(f"parity bits need K % 8 == 0, got {packed.shape[-1]} code bytes")
-    quads = packed.reshape(*packed.shape[:-1], -1, 4)
-    out = torch.zeros(quads.shape[:-1], dtype=torch.uint8, device=packed.device)
-    for j, shift in enumerate(_PARITY_SHIFTS):
-        byte = quads[..., j]
-        out |= ((byte & 1) << shift) | (((byte >> 4) & 1) << (shift + 1))
-    return out
 
 
 @dataclass(frozen=True)
@@ -154,27 +139,6 @@ class RecordLayout:
         return RecordLayout.build(self.fmt, mode, {k: (self.slot(k).rows, self.slot(k).k) for k in chosen})
 
     # ---- bytes <-> blocks --------------------------------------------------------------------------
-    def encode(self, key: SiteKey, q: BlockFP4) -> Tensor:
-        """The slot bytes uint8 [*lead, size] of a BlockFP4 whose fields have leading dims `lead` then the rows."""
-        payload = q.packed if self.mode == "full" else parity_bits(q.packed)
-        return self.encode_fields(key, q.scale_bytes(), payload, q.global_scale if isinstance(q, NVFP4) else None)
-
-    def encode_fields(self, key: SiteKey, scale_bytes: Tensor, payload: Tensor, global_scale: Tensor | None) -> Tensor:
-        """The slot bytes uint8 [*lead, size] of one site's scale bytes, payload (in this layout's mode) and row
-        global scales, each with leading dims `lead` then the rows."""
-        slot = self.slot(key)
-        lead = payload.shape[: payload.dim() - len(slot.rows) - 1]
-        parts = [scale_bytes.reshape(*lead, -1), payload.reshape(*lead, -1)]
-        if slot.global_bytes:
-            if global_scale is None:
-                raise ValueError(f"layer {key[0]} site {key[1]}: the format has row global scales, the tensor none")
-            parts.insert(0, global_scale.float().contiguous().view(torch.uint8).reshape(*lead, -1))
-        out = torch.cat(parts, dim=-1)
-        if out.shape[-1] != slot.size:
-            raise ValueError(f"layer {key[0]} site {key[1]}: {out.shape[-1]} bytes per token, the layout has "
-                             f"{slot.size} (rows {slot.rows} of {slot.k} in {self.mode} mode)")
-        return out
-
     def views(self, data: Tensor) -> dict[SiteKey, tuple[Tensor, Tensor, Tensor | None]]:
         """Per site (scale bytes, payload, row globals or None) as views of data uint8 [*lead, width]."""
         lead = data.shape[:-1]
@@ -224,6 +188,6 @@ class RecordLayout:
             out[..., s.offset : s.offset + head] = data[..., src.offset : src.offset + head]
             payload = data[..., src.offset + head : src.end]
             if source.mode != self.mode:
-                payload = parity_bits(payload.reshape(*payload.shape[:-1], s.n_rows, -1)).flatten(-2)
+                payload = pack_parity(payload.reshape(*payload.shape[:-1], s.n_rows, -1)).flatten(-2)
             out[..., s.offset + head : s.end] = payload
         return out

@@ -21,6 +21,7 @@ from torch import Tensor
 from trace_lightning.guidance.layout import ELEMENTS_PER_BYTE, RecordLayout
 from trace_lightning.quant import MXFP4, NVFP4, BlockFP4, FP4Format, pack_fp4, unpack_fp4
 from trace_lightning.quant.guided import check_guidance_mode
+from trace_lightning.sim.record import write_record_slot
 
 SiteKey = tuple[int, str]
 
@@ -527,11 +528,14 @@ def collate_records(records: Sequence[QuantRecord], pad_to: int | None = None) -
     valid = torch.zeros(len(records), length, dtype=torch.bool, device=device)
     for b, r in enumerate(records):
         n = min(r.length, length)
+        tokens = b * length + torch.arange(n, device=device)
         for key, rec in r.sites.items():
-            slot = layout.slot(key)
-            data[b, :n, slot.offset : slot.end] = layout.encode_fields(key, rec.scale_bytes[:n], rec.payload[:n],
-                                                                       None if rec.global_scale is None
-                                                                       else rec.global_scale[:n])
+            shapes, ours = (rec.payload.shape[1:], rec.scale_bytes.shape[1:]), first.sites[key]
+            if shapes != (ours.payload.shape[1:], ours.scale_bytes.shape[1:]):
+                raise ValueError(f"record {b} layer {key[0]} site {key[1]}: rows of another shape than record 0's")
+            g = None if rec.global_scale is None else rec.global_scale[:n].reshape(n, -1)
+            write_record_slot(data, tokens, rec.payload[:n].reshape(n, -1), rec.scale_bytes[:n].reshape(n, -1), g,
+                              layout.slot(key).offset, parity=False)  # the payload is already in the record's mode
         routes[:, b, :n] = r.routes[:, :n]
         valid[b, :n] = True
     model_ids = {r.model_id for r in records}

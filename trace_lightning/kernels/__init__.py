@@ -18,6 +18,7 @@ from trace_lightning.kernels.quantize import (
     quantize_nvfp4,
     quantize_nvfp4_rows,
 )
+from trace_lightning.kernels.record import write_record_slot
 from trace_lightning.kernels.rope import rope
 from trace_lightning.kernels.router import route_topk
 
@@ -42,4 +43,5 @@ __all__ = [
     "rms_norm",
     "rope",
     "route_topk",
+    "write_record_slot",
 ]

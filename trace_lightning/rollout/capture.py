@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from trace_lightning import sim
 from trace_lightning.guidance.layout import RecordLayout
 from trace_lightning.guidance.record import BatchRecord, route_dtype
 from trace_lightning.model.hooks import QuantHook
-from trace_lightning.quant import BlockFP4
+from trace_lightning.quant import NVFP4, BlockFP4
 from trace_lightning.rollout.batch import SiteKey
 
 RowQuantizer = Callable[[Tensor], BlockFP4]
@@ -121,8 +123,9 @@ class Recorder:
     """
 
     def __init__(self, layout: RecordLayout | None, batch: int, max_len: int, n_layers: int, top_k: int,
-                 n_experts: int, device: torch.device) -> None:
+                 n_experts: int, device: torch.device, ops: ModuleType | None = None) -> None:
         self.layout = layout
+        self.write_slot = (ops or sim).write_record_slot  # one Triton launch a site on the GPU
         self.slots = {s.key: s for s in layout.slots} if layout is not None else {}
         self.batch, self.max_len = batch, max_len
         self.positions: Tensor | None = None
@@ -147,8 +150,14 @@ class Recorder:
         slot = self.slots.get((layer, site))
         if slot is None:
             return
-        assert self.layout is not None
-        self.data[self.output_rows(), self.positions, slot.offset : slot.end] = self.layout.encode(slot.key, q)
+        tokens = (self.output_rows() * self.max_len + self.positions).reshape(-1)  # rows of data viewed [-1, width]
+        m, parity = tokens.numel(), self.layout is not None and self.layout.mode == "parity"
+        g = q.global_scale.reshape(m, -1) if slot.global_bytes and isinstance(q, NVFP4) else None
+        packed, scales = q.packed.reshape(m, -1), q.scale_bytes().reshape(m, -1)
+        size = 4 * (0 if g is None else g.shape[1]) + scales.shape[1] + packed.shape[1] // (4 if parity else 1)
+        if size != slot.size:
+            raise ValueError(f"layer {layer} site {site}: {size} record bytes a token, the layout has {slot.size}")
+        self.write_slot(self.data, tokens, packed, scales, g, slot.offset, parity)
         self.observed.add(slot.key)
 
     def observe_routes(self, routes: list[Tensor]) -> None:

@@ -109,7 +109,7 @@ class Engine:
         c, B, dev = self.config, len(prompts), self.device
         lens = [len(p) for p in prompts]
         P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
-        recorder = Recorder(self.record_layout(capture), B, S, c.n_layers, c.top_k, c.n_experts, dev)
+        recorder = Recorder(self.record_layout(capture), B, S, c.n_layers, c.top_k, c.n_experts, dev, self.ops)
         hook, cache = self._hook(recorder if capture else None), self._cache(B, S, recorder if capture else None)
         keys = seed_keys(seeds, dev)
         lens_t, max_new_t = torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev)
@@ -142,7 +142,7 @@ class Engine:
         c, n, dev = self.config, len(prompts), self.device
         lens = [len(p) for p in prompts]
         S = max(m + k for m, k in zip(lens, max_new, strict=True))
-        recorder = Recorder(self.record_layout(capture), n, S, c.n_layers, c.top_k, c.n_experts, dev)
+        recorder = Recorder(self.record_layout(capture), n, S, c.n_layers, c.top_k, c.n_experts, dev, self.ops)
         hook, cache = self._hook(recorder if capture else None), self._cache(slots, S, recorder if capture else None)
         state = SlotState(torch.zeros(n, max(max_new), dtype=torch.long, device=dev),
                           torch.zeros(n, max(max_new), dtype=torch.float32, device=dev), seed_keys(seeds, dev),

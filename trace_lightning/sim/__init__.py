@@ -16,6 +16,7 @@ from trace_lightning.sim.quantize import (
     quantize_nvfp4,
     quantize_nvfp4_rows,
 )
+from trace_lightning.sim.record import write_record_slot
 from trace_lightning.sim.rope import rope
 from trace_lightning.sim.router import route_topk
 
@@ -35,4 +36,5 @@ __all__ = [
     "rms_norm",
     "rope",
     "route_topk",
+    "write_record_slot",
 ]
