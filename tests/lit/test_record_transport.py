@@ -43,9 +43,10 @@ class Seen(L.Callback):
 
 
 def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | None = None,
-         max_batch: int | None = None) -> Seen:
+         max_batch: int | None = None, on_host: bool = False) -> Seen:
     torch.manual_seed(0)
-    module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2, sites=sites),
+    module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2, sites=sites,
+                                            records_on_host=on_host),
                           rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3,
                                                 max_batch=max_batch), warmup_steps=1, cpu_threads=1)
     seen = Seen()
@@ -111,3 +112,10 @@ def test_continuous_batching_rollouts_train_with_whole_records(tmp_path: Path) -
         assert record.valid.shape[0] == 8 and bool(record.valid[:, 0].all())
     with pytest.raises(ValueError, match="rollout.max_batch must be an integer >= 1"):
         RolloutConfig(max_batch=0)
+
+
+def test_records_streamed_to_the_host_train_exactly_as_records_kept_on_the_device(tmp_path: Path) -> None:
+    kept, streamed = _fit(tmp_path / "kept", "device"), _fit(tmp_path / "host", "device", on_host=True)
+    assert streamed.losses == kept.losses
+    for ours, theirs in zip(streamed.records, kept.records, strict=True):
+        assert ours.layout == theirs.layout and torch.equal(ours.data, theirs.data)

@@ -60,3 +60,38 @@ def test_the_memory_plan_counts_the_capture_mode(base_model: Transformer) -> Non
     engine = Engine(copy.deepcopy(base_model), FP4Precision())
     full, parity = (engine.memory_plan(8, 64, CaptureSpec(mode=m)).records for m in ("full", "parity"))
     assert 0 < parity < full / 2
+
+
+@pytest.mark.parametrize("max_batch", [None, 2], ids=["static", "continuous"])
+@pytest.mark.parametrize("mode", ["full", "parity"])
+def test_a_record_streamed_to_the_host_is_the_same_bytes(base_model: Transformer, mode: str,
+                                                         max_batch: int | None) -> None:
+    """A ring of max(prompt, check interval) columns, flushed at every host check, many times over a long response."""
+    params = SamplingParams(max_new_tokens=[13, 3, 17, 9], temperature=1.0, seed=5, stop_token_ids=[7])
+    kept, streamed = (Engine(copy.deepcopy(base_model), FP4Precision(), sync_every=2).generate(
+        PROMPTS, params, capture=CaptureSpec(mode=mode, stream_to_host=host), max_batch=max_batch)
+        for host in (False, True))
+    assert streamed.responses == kept.responses and streamed.record.data.device.type == "cpu"
+    assert torch.equal(streamed.record.data, kept.record.data.cpu()) and streamed.record.layout == kept.record.layout
+    assert torch.equal(streamed.record.valid, kept.record.valid.cpu())
+    assert torch.equal(streamed.record.routes, kept.record.routes.cpu())
+    streamed.record.check(expected_version=0)
+
+
+def test_the_streaming_ring_is_bounded_by_prompt_and_check_interval(base_model: Transformer,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from trace_lightning.rollout import capture as capture_module
+
+    rings: list[tuple[int, ...]] = []
+    init = capture_module.Recorder.__init__
+
+    def spy(self: capture_module.Recorder, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        rings.append(tuple(self.ring.shape) if self.ring is not None else ())
+
+    monkeypatch.setattr(capture_module.Recorder, "__init__", spy)
+    engine = Engine(copy.deepcopy(base_model), FP4Precision(), sync_every=4)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40), capture=CaptureSpec(stream_to_host=True))
+    width = out.record.layout.width
+    assert rings == [(len(PROMPTS), max(len(p) for p in PROMPTS), width)]  # 9 columns for 48-position sequences
+    assert out.record.data.shape == (len(PROMPTS), max(len(p) for p in PROMPTS) + 40, width)

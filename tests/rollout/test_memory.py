@@ -59,3 +59,15 @@ def test_a_continuous_plan_counts_slot_rows_of_cache_and_sequence_rows_of_record
     assert slots.kv_cache == slots.refill_cache == two_rows and static.refill_cache == 0
     assert (slots.records, slots.routes) == (static.records, static.routes)  # one row per sequence either way
     assert engine.memory_plan(8, max_len, capture, max_batch=8) == static
+
+
+def test_a_streamed_record_costs_the_device_its_ring_only(model: Transformer) -> None:
+    engine = Engine(copy.deepcopy(model), FP4Precision(), backend="sim", cuda_graph=False, sync_every=4)
+    kept = engine.memory_plan(4, 64, CaptureSpec(mode="parity"))
+    streamed = engine.memory_plan(4, 64, CaptureSpec(mode="parity", stream_to_host=True), prompt_len=9)
+    c = engine.config
+    recorder = Recorder(engine.record_layout(CaptureSpec(mode="parity")), 4, 64, c.n_layers, c.top_k, c.n_experts,
+                        engine.device, ring=9)
+    assert streamed.records == recorder.ring.nbytes + recorder.ring_pos.nbytes + recorder.ring_row.nbytes
+    assert streamed.host_records == kept.records == recorder.data.nbytes and kept.host_records == 0
+    assert streamed.records < kept.records / 5  # 9 ring columns instead of 64 positions

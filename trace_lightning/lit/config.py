@@ -59,6 +59,9 @@ class TraceConfig:
     """FP4 format: nvfp4 | mxfp4 | mxfp4:rceil."""
     layers: str | None = None
     """Guidance layer policy (all, none, last:K, deep:F, budget:BYTES, auto); None takes the method's default."""
+    records_on_host: bool = False
+    """Stream the rollout's records to host memory while decoding (device memory then stays bounded however long
+    the responses; training copies each batch's record back to the device). For long rollouts."""
     sites: list[str] | None = None
     """Activation sites the record keeps in the chosen layers (attn_in, k, v, attn_out, moe_in, moe_down,
     shared_down); None: all. Unrecorded sites round to nearest on their own scales, as fp4_qat does."""

@@ -99,9 +99,11 @@ class RolloutWorker(L.LightningModule):
             return None
         # an audit needs the codes of every layer and site; otherwise record only what guidance reads (parity: 4x
         # smaller, and only trace.sites)
+        host = self.trace.records_on_host
         if self.audit_next:
-            return CaptureSpec(layers=layers, mode="full")
-        return CaptureSpec(layers=layers, sites=self.trace.sites or "all", mode=self.method.guidance_mode or "full")
+            return CaptureSpec(layers=layers, mode="full", stream_to_host=host)
+        return CaptureSpec(layers=layers, sites=self.trace.sites or "all", mode=self.method.guidance_mode or "full",
+                           stream_to_host=host)
 
     def generate(
         self,

@@ -61,6 +61,9 @@ class CaptureSpec:
     mode: Literal["full", "parity"] = "full"
     """What the engine records per element: the 4-bit code ("full") or only its mantissa bit ("parity", what
     guided rounding needs; 4x smaller). Scales are always kept."""
+    stream_to_host: bool = False
+    """Keep the record in host memory (pinned on a GPU), streamed from a small device ring at every host check,
+    so device memory stays bounded however long the responses (long rollouts; training moves it back per batch)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("full", "parity"):

@@ -115,25 +115,45 @@ class RowBuffer:
 class Recorder:
     """Writes the requested (layer, site) FP4 rows, packed by ``layout``, and every layer's routes, by token position.
 
-    Everything stays on the device in two preallocated tensors indexed by sequence and position: the record
-    bytes [B, S, layout.width] (parity bits or codes, as the layout says, with the scales) and the routes
-    [L, B, S, top_k]. The engine sets ``positions`` (B, T) before each forward; the hook, the FP4 experts and
-    the FP4 cache call ``observe``. With continuous batching a forward's batch rows are cache slots, not
-    sequences: the engine then also sets ``rows`` (B,), the sequence (output row) of each batch row.
+    The record is one preallocated tensor indexed by sequence and position, [N, S, layout.width] (parity bits or
+    codes, as the layout says, with the scales), and the routes another, [L, N, S, top_k]. The engine sets
+    ``positions`` (B, T) before each forward; the hook, the FP4 experts and the FP4 cache call ``observe``. With
+    continuous batching a forward's batch rows are cache slots, not sequences: the engine then also sets ``rows``
+    (B,), the sequence (output row) of each batch row.
+
+    With ``ring`` columns (``CaptureSpec.stream_to_host``) the record lives in host memory (pinned on a GPU) and
+    the device holds only a ring [B, ring, width]: a prefill writes at its positions, a decode step at column
+    (step - 1) % ring of the step counter ``step`` (a device tensor, so a CUDA graph replays it), and ``flush``
+    copies what the ring holds to its (sequence, position) rows at every host check, so device memory is bounded
+    by the prompt length and the check interval whatever the response length.
     """
 
     def __init__(self, layout: RecordLayout | None, batch: int, max_len: int, n_layers: int, top_k: int,
-                 n_experts: int, device: torch.device, ops: ModuleType | None = None) -> None:
+                 n_experts: int, device: torch.device, ops: ModuleType | None = None, *, rows: int | None = None,
+                 ring: int = 0) -> None:
         self.layout = layout
         self.write_slot = (ops or sim).write_record_slot  # one Triton launch a site on the GPU
         self.slots = {s.key: s for s in layout.slots} if layout is not None else {}
         self.batch, self.max_len = batch, max_len
         self.positions: Tensor | None = None
         self.rows: Tensor | None = None
+        self.step: Tensor | None = None
+        """The decode step counter ((1,) or one per slot) while decoding; None during a prefill."""
         self.observed: set[SiteKey] = set()
         width = layout.width if layout is not None else 0
-        self.data = torch.zeros(batch, max_len, width, dtype=torch.uint8, device=device)
-        self.routes = torch.zeros(n_layers, batch, max_len, top_k, dtype=route_dtype(n_experts), device=device)
+        streaming = ring > 0 and layout is not None
+        with torch.inference_mode(False):  # training reads (and may modify) these: normal tensors
+            self.data = torch.zeros(batch, max_len, width, dtype=torch.uint8,
+                                    device="cpu" if streaming else device,
+                                    pin_memory=streaming and device.type == "cuda")
+            self.routes = torch.zeros(n_layers, batch, max_len, top_k, dtype=route_dtype(n_experts), device=device)
+        self.ring: Tensor | None = None
+        if streaming:
+            fwd_rows = batch if rows is None else rows
+            self.ring = torch.zeros(fwd_rows, ring, width, dtype=torch.uint8, device=device)
+            self.ring_pos = torch.full((fwd_rows, ring), -1, dtype=torch.long, device=device)
+            self.ring_row = torch.zeros((fwd_rows, ring), dtype=torch.long, device=device)
+            self.staging = torch.empty(fwd_rows, ring, width, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     def output_rows(self) -> Tensor:
         """(B, T) output row of each token of the current forward: ``rows[b]`` when set, else b."""
@@ -150,19 +170,52 @@ class Recorder:
         slot = self.slots.get((layer, site))
         if slot is None:
             return
-        tokens = (self.output_rows() * self.max_len + self.positions).reshape(-1)  # rows of data viewed [-1, width]
+        target, tokens = self._target()
         m, parity = tokens.numel(), self.layout is not None and self.layout.mode == "parity"
         g = q.global_scale.reshape(m, -1) if slot.global_bytes and isinstance(q, NVFP4) else None
         packed, scales = q.packed.reshape(m, -1), q.scale_bytes().reshape(m, -1)
         size = 4 * (0 if g is None else g.shape[1]) + scales.shape[1] + packed.shape[1] // (4 if parity else 1)
         if size != slot.size:
             raise ValueError(f"layer {layer} site {site}: {size} record bytes a token, the layout has {slot.size}")
-        self.write_slot(self.data, tokens, packed, scales, g, slot.offset, parity)
+        self.write_slot(target, tokens, packed, scales, g, slot.offset, parity)
         self.observed.add(slot.key)
 
+    def _columns(self) -> Tensor:
+        """(B, T) ring column of every position of the current forward."""
+        assert self.positions is not None and self.ring is not None
+        if self.step is None:
+            return self.positions
+        return ((self.step - 1) % self.ring.shape[1]).view(-1, 1).expand_as(self.positions)
+
+    def _target(self) -> tuple[Tensor, Tensor]:
+        """(tensor written, (B * T,) rows of it viewed [-1, width]) for the current forward."""
+        assert self.positions is not None, "set Recorder.positions before the forward"
+        if self.ring is None:
+            return self.data, (self.output_rows() * self.max_len + self.positions).reshape(-1)
+        return self.ring, (batch_rows(self.positions) * self.ring.shape[1] + self._columns()).reshape(-1)
+
+    def flush(self) -> None:
+        """Copy what the ring holds to the host record (one device sync) and empty it; a no-op without a ring."""
+        if self.ring is None:
+            return
+        positions = self.ring_pos.cpu()
+        used = positions >= 0
+        if not bool(used.any()):
+            return
+        n = int(used.any(0).nonzero().max()) + 1  # columns 0 .. n-1 hold something
+        staged = self.staging[:, :n]
+        staged.copy_(self.ring[:, :n])
+        rows, used, positions = self.ring_row[:, :n].cpu(), used[:, :n], positions[:, :n]
+        self.data[rows[used], positions[used]] = staged[used]
+        self.ring_pos.fill_(-1)
+
     def observe_routes(self, routes: list[Tensor]) -> None:
-        """Per layer (B, T, K) expert ids of the current forward."""
+        """Per layer (B, T, K) expert ids of the current forward (and, streaming, where the ring's columns go)."""
         self.routes[:, self.output_rows(), self.positions] = torch.stack(routes).to(self.routes.dtype)
+        if self.ring is not None and self.slots:
+            rows, columns = batch_rows(self.positions), self._columns()
+            self.ring_pos[rows, columns] = self.positions
+            self.ring_row[rows, columns] = self.output_rows()
 
     def valid(self, lengths: Tensor) -> Tensor:
         """(B, S) True at the positions 0 .. lengths[b] - 1 each row fed through the model."""
@@ -179,10 +232,10 @@ class Recorder:
         missing = sorted(set(self.slots) - self.observed)
         if missing:
             raise RuntimeError(f"record sites {missing} were laid out but never quantized by the forward")
-        valid = self.valid(lengths)
-        data = torch.where(valid[..., None], self.data, self.layout.pad_row(self.data.device))
-        return BatchRecord(data, self.route_table(lengths), valid, self.layout, [policy_version] * self.batch,
-                           model_id)
+        valid = self.valid(lengths.to(self.data.device))
+        self.data[~valid] = self.layout.pad_row(self.data.device)  # in place: the record is handed over as is
+        return BatchRecord(self.data, self.route_table(lengths).to(self.data.device), valid, self.layout,
+                           [policy_version] * self.batch, model_id)
 
 
 class FP4ActivationHook(QuantHook):

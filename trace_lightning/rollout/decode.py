@@ -48,6 +48,8 @@ class DecodeLoop:
         self.sync_every, self.use_graph = sync_every, use_graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_steps = 0
+        self.on_check: Callable[[], None] = lambda: None
+        """Called at every host check, before the done flags are read (the recorder flushes its ring there)."""
 
     def step(self) -> None:
         """One decode step, device ops only (the step counter advances on the device)."""
@@ -64,8 +66,10 @@ class DecodeLoop:
         """Decode steps 1 .. n_steps; `visible(i)` is the eager loop's cache window at step i. -> steps run."""
         steps = 0
         for i in range(1, n_steps + 1):
-            if i % self.sync_every == 0 and bool(self.state.done.all()):
-                break
+            if i % self.sync_every == 0:
+                self.on_check()
+                if bool(self.state.done.all()):
+                    break
             self.advance(visible(i), capture=i >= 3 and n_steps - i >= 2)
             steps += 1
         return steps

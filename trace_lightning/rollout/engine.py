@@ -109,7 +109,8 @@ class Engine:
         c, B, dev = self.config, len(prompts), self.device
         lens = [len(p) for p in prompts]
         P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
-        recorder = Recorder(self.record_layout(capture), B, S, c.n_layers, c.top_k, c.n_experts, dev, self.ops)
+        recorder = Recorder(self.record_layout(capture), B, S, c.n_layers, c.top_k, c.n_experts, dev, self.ops,
+                            ring=self._ring(capture, P))
         hook, cache = self._hook(recorder if capture else None), self._cache(B, S, recorder if capture else None)
         keys = seed_keys(seeds, dev)
         lens_t, max_new_t = torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev)
@@ -122,13 +123,16 @@ class Engine:
 
         start = time.perf_counter()
         tok, lp = draw(self.prefill(prompts, cache, hook, recorder), step=0)
+        recorder.flush()
         tokens[:, 0], logprobs[:, 0] = tok, lp
         state = DecodeState(tokens, logprobs, torch.isin(tok, stop) | (max_new_t <= 1), lens_t, last_pos, max_new_t,
                             stop)
         prefill_s = time.perf_counter() - start
         loop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder), draw, state, cache,
                           self.sync_every, self.cuda_graph and dev.type == "cuda")
+        recorder.step, loop.on_check = state.step, recorder.flush
         steps = 1 + loop.run(N - 1, visible=lambda i: min(P + i, S))
+        recorder.flush()
         self._check_finite_logprobs(logprobs)
         out = self._collect(prompts, max_new, tokens, logprobs, params, recorder, capture)
         out.stats = {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
@@ -142,7 +146,8 @@ class Engine:
         c, n, dev = self.config, len(prompts), self.device
         lens = [len(p) for p in prompts]
         S = max(m + k for m, k in zip(lens, max_new, strict=True))
-        recorder = Recorder(self.record_layout(capture), n, S, c.n_layers, c.top_k, c.n_experts, dev, self.ops)
+        recorder = Recorder(self.record_layout(capture), n, S, c.n_layers, c.top_k, c.n_experts, dev, self.ops,
+                            rows=slots, ring=self._ring(capture, max(lens)))
         hook, cache = self._hook(recorder if capture else None), self._cache(slots, S, recorder if capture else None)
         state = SlotState(torch.zeros(n, max(max_new), dtype=torch.long, device=dev),
                           torch.zeros(n, max(max_new), dtype=torch.float32, device=dev), seed_keys(seeds, dev),
@@ -153,8 +158,10 @@ class Engine:
         def prefill(slot_ids: list[int], seqs: list[int], fresh: bool) -> Tensor:
             nonlocal prefill_s
             start = time.perf_counter()
-            recorder.rows = torch.tensor(seqs, device=dev)
+            recorder.rows, recorder.step = torch.tensor(seqs, device=dev), None
             logits = self._prefill_rows([prompts[q] for q in seqs], slot_ids, cache, fresh, hook, recorder)
+            recorder.flush()
+            recorder.step = state.step
             prefill_s += time.perf_counter() - start
             return logits
 
@@ -166,7 +173,9 @@ class Engine:
         loop = SlotLoop(logits, draw, state, cache, self.sync_every, self.cuda_graph and dev.type == "cuda", prefill,
                         lens, max_new)
         start = time.perf_counter()
+        loop.on_check = recorder.flush
         steps = 1 + loop.run()
+        recorder.flush()
         elapsed = time.perf_counter() - start
         self._check_finite_logprobs(state.logprobs)
         out = self._collect(prompts, max_new, state.tokens, state.logprobs, params, recorder, capture)
@@ -174,6 +183,11 @@ class Engine:
                      "new_tokens": float(sum(len(r) for r in out.responses)), "graph_steps": float(loop.graph_steps),
                      "refills": float(loop.refills)}
         return out
+
+    def _ring(self, capture: CaptureSpec | None, prompt_len: int) -> int:
+        """Ring columns of a record streamed to the host: the longest prompt (a prefill writes at its positions) or
+        the steps between two host checks, whichever is more; 0: the record stays on the device."""
+        return max(prompt_len, self.sync_every) if capture is not None and capture.stream_to_host else 0
 
     def _prefill_rows(self, prompts: list[list[int]], rows: list[int], cache: KVCache, fresh: bool,
                       hook: FP4ActivationHook | None, recorder: Recorder) -> Tensor:
@@ -315,14 +329,16 @@ class Engine:
         return memory.tensor_bytes(self.model, held)
 
     def memory_plan(self, batch: int, max_len: int, capture: CaptureSpec | None = None, *,
-                    max_batch: int | None = None) -> memory.MemoryPlan:
+                    max_batch: int | None = None, prompt_len: int | None = None) -> memory.MemoryPlan:
         """What a generate call of `batch` sequences of up to `max_len` positions (prompt + new tokens) holds on
         the device besides transient activations: weights, KV cache, the packed record, routes (and, with
-        max_batch slots, a refill's staging cache)."""
+        max_batch slots, a refill's staging cache). A record streamed to the host (capture.stream_to_host) costs
+        the device a ring as long as the longest prompt (`prompt_len`, default max_len) or the check interval."""
         fp4, layout = self.fp4, self.record_layout(capture)
         kv_fmt = fp4.activation_format if fp4 is not None and fp4.kv else None
         return memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, kv_fmt,
-                           layout.width if layout is not None else 0, _slot_count(max_batch, batch))
+                           layout.width if layout is not None else 0, _slot_count(max_batch, batch),
+                           self._ring(capture, max_len if prompt_len is None else prompt_len))
 
     def max_batch(self, max_len: int, budget_bytes: int, *, capture: CaptureSpec | None = None,
                   reserve_bytes: int = 0) -> int:

@@ -30,6 +30,8 @@ class MemoryPlan:
     routes: int
     refill_cache: int = 0
     """Continuous batching: the staging cache a refill prefills into (up to every slot's rows at once)."""
+    host_records: int = 0
+    """A record streamed to the host: its bytes there (pinned); ``records`` is then the device ring."""
 
     @property
     def total(self) -> int:
@@ -57,18 +59,22 @@ def kv_bytes_per_token(config: MoEConfig, dtype: torch.dtype, fp4: FP4Format | N
 
 
 def plan(config: MoEConfig, weights: int, batch: int, max_len: int, dtype: torch.dtype, kv_fmt: FP4Format | None,
-         record_width: int, slots: int | None = None) -> MemoryPlan:
+         record_width: int, slots: int | None = None, ring: int = 0) -> MemoryPlan:
     """The plan for an engine computing in `dtype` whose cache is FP4 in `kv_fmt` (None: dense), recording
     `record_width` bytes per position (its RecordLayout's width; 0 without capture). With `slots` below `batch`
     (continuous batching) the cache holds `slots` rows plus a refill's staging rows; records and routes stay one
-    row per sequence."""
+    row per sequence. With a `ring` (columns of a record streamed to the host) the device holds only the ring, one
+    row per slot, with each entry's position and sequence (int64)."""
     positions = batch * max_len
     route_bytes = torch.empty(0, dtype=route_dtype(config.n_experts)).element_size()
     cache_row = round(max_len * kv_bytes_per_token(config, dtype, kv_fmt))
     rows = batch if slots is None or slots >= batch else slots
-    return MemoryPlan(weights=weights, kv_cache=rows * cache_row, records=positions * record_width,
+    records, host = positions * record_width, 0
+    if ring and record_width:
+        records, host = rows * ring * (record_width + 16), records
+    return MemoryPlan(weights=weights, kv_cache=rows * cache_row, records=records,
                       routes=positions * config.n_layers * config.top_k * route_bytes,
-                      refill_cache=rows * cache_row if rows < batch else 0)
+                      refill_cache=rows * cache_row if rows < batch else 0, host_records=host)
 
 
 def largest_batch(per_sequence: int, weights: int, budget: int, reserve: int) -> int:

@@ -118,6 +118,7 @@ class SlotLoop(DecodeLoop):
     def _refill(self, i: int) -> bool:
         """Host check before step i: give done slots the waiting prompts, in order (again if a new one ends at
         once, e.g. max_new_tokens 1) -> whether any slot is still decoding."""
+        self.on_check()
         while True:
             done = self.state.done.tolist()  # the host sync
             free = [s for s, d in enumerate(done) if d][: len(self.waiting)]
