@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from trace_lightning.guidance import BatchRecord
 from trace_lightning.model import Transformer
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, RolloutBatch, SamplingParams
 from trace_lightning.rollout.decode import DecodeLoop
@@ -92,3 +93,52 @@ def test_cuda_graph_decode_equals_eager_decode(base_model: Transformer, precisio
     graph = Engine(copy.deepcopy(model), precision, cuda_graph=True).generate(PROMPTS, PARAMS, capture=capture)
     assert graph.stats["graph_steps"] > 0 and eager.stats["graph_steps"] == 0
     assert_same_rollout(graph, eager)  # the CPU's 4-ulp logprob allowance: not yet measured on a GPU
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["on-device", "streamed"])
+def test_replayed_steps_write_the_eager_loops_parity_record(base_model: Transformer, monkeypatch: pytest.MonkeyPatch,
+                                                            stream: bool) -> None:
+    """The record written from a replayed step (ring columns from the device step counter when streamed) is the
+    eager loop's, byte for byte; CPU emulation of the capture."""
+    params = SamplingParams(max_new_tokens=[17, 3, 12, 9], temperature=1.0, seed=6)
+    capture, precision = CaptureSpec(mode="parity", stream_to_host=stream), FP4Precision(compute_dtype="fp32")
+    # fp32: the replay attends over the whole window, and in bf16 that moves a sum by an ulp (then a code, a token)
+    eager = Engine(copy.deepcopy(base_model), precision, cuda_graph=False, sync_every=3).generate(
+        PROMPTS, params, capture=capture)
+    init = DecodeLoop.__init__
+
+    def graph_on_cpu(self: DecodeLoop, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        init(self, *args, **kwargs)
+        self.use_graph = True
+
+    monkeypatch.setattr(DecodeLoop, "__init__", graph_on_cpu)
+    monkeypatch.setattr(DecodeLoop, "_capture", emulated_capture)
+    graph = Engine(copy.deepcopy(base_model), precision, cuda_graph=False, sync_every=3).generate(
+        PROMPTS, params, capture=capture)
+    assert graph.stats["graph_steps"] > 0 and graph.responses == eager.responses
+    assert_same_record(graph.record, eager.record)
+
+
+def assert_same_record(a: BatchRecord, b: BatchRecord) -> None:
+    """Block scales and parity bits byte for byte; fp32 row globals to the ulp or two that attending over the whole
+    window (the replay) instead of the grown one (eager) moves a sum by (measured: globals only, no scale, no bit)."""
+    assert a.layout == b.layout and torch.equal(a.valid.cpu(), b.valid.cpu())
+    ours, theirs = a.layout.views(a.data.cpu()), b.layout.views(b.data.cpu())
+    for key, (scales, payload, g) in ours.items():
+        assert torch.equal(scales, theirs[key][0]) and torch.equal(payload, theirs[key][1]), key
+        if g is not None:
+            torch.testing.assert_close(g, theirs[key][2], rtol=2.0**-20, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream", [False, True], ids=["on-device", "streamed"])
+def test_cuda_graph_parity_record_equals_eager(base_model: Transformer, stream: bool) -> None:
+    """The real capture on CUDA with the Triton record-slot kernel, the record kept on the device or streamed."""
+    model = copy.deepcopy(base_model).to("cuda")
+    capture = CaptureSpec(mode="parity", stream_to_host=stream)
+    precision = FP4Precision(compute_dtype="bf16")
+    eager = Engine(copy.deepcopy(model), precision, cuda_graph=False).generate(PROMPTS, PARAMS, capture=capture)
+    graph = Engine(copy.deepcopy(model), precision, cuda_graph=True).generate(PROMPTS, PARAMS, capture=capture)
+    assert graph.stats["graph_steps"] > 0 and graph.responses == eager.responses
+    assert graph.record.data.device.type == ("cpu" if stream else "cuda")
+    assert_same_record(graph.record, eager.record)
