@@ -47,10 +47,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def bench(model: Transformer, precision: FP4Precision | str, prompts: list[list[int]], params: SamplingParams,
-          repeats: int, capture: CaptureSpec | None, backend: str = "auto") -> tuple[float, float, float]:
+          repeats: int, capture: CaptureSpec | None, backend: str = "auto",
+          prefill_dense_from: int | None = None) -> tuple[float, float, float]:
     """Best-of-repeats (tokens/s of the whole call, decode-loop tokens/s, prefill ms)."""
     device = next(model.parameters()).device
-    engine = Engine(copy.deepcopy(model), precision, backend=backend)
+    engine = Engine(copy.deepcopy(model), precision, backend=backend, prefill_dense_from=prefill_dense_from)
     engine.generate(prompts, SamplingParams(max_new_tokens=8), capture=capture)  # warm-up: compile, autotune
     best_tps, best_decode, best_prefill = 0.0, 0.0, float("inf")
     for _ in range(repeats):
@@ -131,6 +132,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--backend", default="auto", help="auto (Triton on CUDA, sim on the CPU), triton or sim")
+    parser.add_argument("--prefill-dense-from", type=int, default=None, metavar="TOKENS",
+                        help="FP4 rows: forwards of at least TOKENS tokens (prefills) run dense GEMMs on dequantized "
+                             "weights (Engine(prefill_dense_from=...)); compare prefill ms with and without")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,8 +153,9 @@ def main() -> None:
     names = args.precision or (list(ON_GPU) if args.device.startswith("cuda") else list(PRECISIONS))
     print("| precision | tok/s (whole call) | decode tok/s | prefill ms |\n|---|---:|---:|---:|")
     for name in names:
+        dense_from = args.prefill_dense_from if isinstance(PRECISIONS[name], FP4Precision) else None
         tps, decode, prefill = bench(model, PRECISIONS[name], prompts, params, args.repeats, CAPTURES.get(name),
-                                     args.backend)
+                                     args.backend, dense_from)
         print(f"| {name} | {tps:.0f} | {decode:.0f} | {prefill:.1f} |")
 
 

@@ -95,3 +95,33 @@ def test_the_streaming_ring_is_bounded_by_prompt_and_check_interval(base_model: 
     width = out.record.layout.width
     assert rings == [(len(PROMPTS), max(len(p) for p in PROMPTS), width)]  # 9 columns for 48-position sequences
     assert out.record.data.shape == (len(PROMPTS), max(len(p) for p in PROMPTS) + 40, width)
+
+
+def test_dense_prefill_computes_what_the_fp4_kernels_do(base_model: Transformer,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefill_dense_from: the prefill (36 token rows here) runs dense GEMMs on the dequantized weights, the decode
+    steps (4 rows) the FP4 kernels; same tokens, logprobs to fp32 rounding, the records' codes the same."""
+    from trace_lightning.rollout.convert import FP4Experts
+
+    precision = FP4Precision(compute_dtype="fp32")
+    kernels = Engine(copy.deepcopy(base_model), precision).generate(PROMPTS, PARAMS, capture=CaptureSpec())
+    dense_rows: list[int] = []
+    forward_dense = FP4Experts._forward_dense
+
+    def spy(self: FP4Experts, x: torch.Tensor, *args: object) -> torch.Tensor:
+        dense_rows.append(x.shape[0] * x.shape[1])
+        return forward_dense(self, x, *args)
+
+    monkeypatch.setattr(FP4Experts, "_forward_dense", spy)
+    dense = Engine(copy.deepcopy(base_model), precision, prefill_dense_from=16).generate(PROMPTS, PARAMS,
+                                                                                         capture=CaptureSpec())
+    assert dense_rows == [len(PROMPTS) * max(len(p) for p in PROMPTS)] * 2  # the prefill, in each layer; no step
+    assert dense.responses == kernels.responses
+    for a, b in zip(dense.logprobs, kernels.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    codes = [(q.codes(), kernels.captures[b][key].codes()) for b in range(len(PROMPTS))
+             for key, q in dense.captures[b].items()]
+    flipped = sum(int((x != y).sum()) for x, y in codes)
+    assert flipped <= 2, flipped  # an fp32 sum in another order can cross a rounding boundary, very rarely
+    with pytest.raises(ValueError, match="prefill_dense_from must be None or an integer >= 1"):
+        Engine(copy.deepcopy(base_model), precision, prefill_dense_from=0)

@@ -9,6 +9,10 @@ Boundary (bf16) layers are not converted: the model never calls the hook there, 
 NVFP4 modules run ``ops.fp4_linear`` / ``ops.fp4_moe`` from the chosen backend. The op contract has no MXFP4
 GEMMs yet, so MXFP4 modules keep their weights dequantized once per update and run dense GEMMs (same values,
 dense memory); their ``moe_down`` then goes through the activation hook.
+
+``dense_from`` (the engine's ``prefill_dense_from``): a forward of at least that many tokens (a large prefill) runs
+dense GEMMs on the weight dequantized for that forward instead of the FP4 kernels, whose advantage is reading 4.5
+bits a weight, which stops paying once a GEMM is compute-bound. Same weight values, a transient dense copy.
 """
 
 from __future__ import annotations
@@ -111,9 +115,14 @@ class FP4Linear(nn.Module):
         """The FP4 weight in stored order (what checksums and records compare)."""
         return {"weight": canonical(self.q)}
 
+    dense_from: int | None = None
+    """Forwards of at least this many tokens run a dense GEMM on the weight dequantized for the call (None: never)."""
+
     def forward(self, x: Tensor, hook: QuantHook | None = None) -> Tensor:
         if self.dense is not None:
             y = F.linear(x, self.dense)
+        elif _is_large(x, self.in_features, self.dense_from):
+            y = F.linear(x, canonical(self.q).dequantize(x.dtype))
         else:
             y = self._linear(x.reshape(-1, self.in_features), self.q, out_dtype=x.dtype)
             y = y.view(*x.shape[:-1], self.out_features)
@@ -149,10 +158,16 @@ class FP4Experts(nn.Module):
         """The FP4 weights in stored order (what checksums and records compare)."""
         return {key: canonical(q) for key, q in self.q.items()}
 
+    dense_from: int | None = None
+    """Forwards of at least this many tokens run dense GEMMs on weights dequantized for the call (None: never)."""
+
     def forward(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None = None) -> Tensor:
         """x (B, T, D), ids and gates (B, T, K) -> (B, T, D)."""
         if self.dense:
-            return self._forward_dense(x, ids, gates, hook)
+            return self._forward_dense(x, ids, gates, hook, self.dense)
+        if _is_large(x, self.config.dim, self.dense_from):
+            weights = {key: canonical(q).dequantize(x.dtype) for key, q in self.q.items()}
+            return self._forward_dense(x, ids, gates, hook, weights)
         (B, T, D), K = x.shape, ids.shape[-1]
         act = hook if isinstance(hook, FP4ActivationHook) and hook.quantizes("moe_down") else None
         out, h = self._moe(x.reshape(-1, D), self.q["w13"], self.q["w2"], ids.reshape(-1, K), gates.reshape(-1, K),
@@ -162,24 +177,29 @@ class FP4Experts(nn.Module):
                               h.global_scale.reshape(B, T, K, 1)), layer=self.layer, site="moe_down")
         return out.view(B, T, D)
 
-    def _forward_dense(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None) -> Tensor:
+    def _forward_dense(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None,
+                       dense: dict[str, Tensor]) -> Tensor:
         """Dequantized weights, experts looped over the ones some token picked; the hook sees moe_down."""
         (B, T, D), K, I = x.shape, ids.shape[-1], self.config.moe_intermediate
         xs, flat = x.reshape(-1, D), ids.reshape(-1)  # (N, D), (N*K,) token-major pairs
         pairs_of = [(e, (flat == e).nonzero().squeeze(1)) for e in flat.unique().tolist()]
         h = x.new_zeros(B * T * K, I)
         for e, pairs in pairs_of:
-            gate, up = F.linear(xs[pairs // K], self.dense["w13"][e]).chunk(2, dim=-1)
+            gate, up = F.linear(xs[pairs // K], dense["w13"][e]).chunk(2, dim=-1)
             h[pairs] = F.silu(gate) * up
         if hook is not None:
             h = hook.activation(h.view(B, T, K, I), layer=self.layer, site="moe_down").reshape(-1, I)
         y = x.new_zeros(B * T * K, D)
         for e, pairs in pairs_of:
-            y[pairs] = F.linear(h[pairs], self.dense["w2"][e])
+            y[pairs] = F.linear(h[pairs], dense["w2"][e])
         return (y.view(B, T, K, D) * gates[..., None]).sum(dim=2)
 
 
 FP4Module = FP4Linear | FP4Experts
+
+
+def _is_large(x: Tensor, features: int, dense_from: int | None) -> bool:
+    return dense_from is not None and x.numel() // features >= dense_from
 
 
 def convert_to_fp4(model: nn.Module, fmt: FP4Format | str, ops: ModuleType,

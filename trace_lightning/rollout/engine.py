@@ -52,11 +52,16 @@ if TYPE_CHECKING:
 
 
 class Engine:
-    """Generates from ``model`` at ``precision`` ("fp32", "bf16" or an FP4Precision) on the model's device."""
+    """Generates from ``model`` at ``precision`` ("fp32", "bf16" or an FP4Precision) on the model's device.
+
+    ``prefill_dense_from``: forwards of at least this many tokens (large prefills) run dense GEMMs on FP4 weights
+    dequantized for the call rather than the FP4 kernels (rollout/convert.py); None, the default until measured on
+    the GPU, keeps the FP4 kernels everywhere."""
 
     def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
                  sync_every: int = 8, fused_attention: bool | None = None, fused_norms: bool | None = None,
-                 cuda_graph: bool = True, kernel_options: KernelOptions | None = None) -> None:
+                 cuda_graph: bool = True, kernel_options: KernelOptions | None = None,
+                 prefill_dense_from: int | None = None) -> None:
         self.compute_dtype, self.fp4 = resolve_precision(precision)
         self.precision = precision
         self.config = model.config
@@ -91,6 +96,10 @@ class Engine:
                     m.fused = self.ops.route_topk
         self._dense: dict[str, Tensor] = dict(model.state_dict(keep_vars=True))
         self.model = model
+        if prefill_dense_from is not None and (not _is_integer(prefill_dense_from) or prefill_dense_from < 1):
+            raise ValueError(f"prefill_dense_from must be None or an integer >= 1, got {prefill_dense_from!r}")
+        for module, _ in self._fp4_weights.values():  # forwards of this many tokens (prefills) run dense GEMMs
+            module.dense_from = prefill_dense_from
 
     # ---- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
