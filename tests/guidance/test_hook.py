@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from trace_lightning.guidance import (
     BatchRecord,
     FakeQuantHook,
+    FiniteCheckHook,
     GuidedHook,
     NonFiniteActivationError,
     QuantRecord,
@@ -157,3 +158,21 @@ def test_audit_counts_zero_codes_equal_and_nan_never() -> None:
     nan_ref._audit(y, torch.full_like(y, float("nan")), 0, "attn_in")
     assert nan_ref.agreement[(0, "attn_in")].value_equal == 0
     assert FakeQuantHook("nvfp4").metrics() == {}
+
+
+@pytest.mark.parametrize("hook", [lambda b: GuidedHook("nvfp4", b, "parity"), lambda b: FakeQuantHook("nvfp4"),
+                                  lambda b: FiniteCheckHook()], ids=["guided", "qat", "identity"])
+def test_deferred_finite_checks_name_the_first_bad_site_after_the_forward(hook) -> None:
+    """Deferred: the forward runs on (no host sync a site), and one read afterwards names the first bad site."""
+    x = torch.randn(1, 3, 64)
+    _, batch = _rollout(x, "nvfp4", "parity")
+    h = hook(batch)
+    h.deferred = True
+    bad = x.clone()
+    bad[0, 2, 7] = float("inf")
+    h.activation(x, layer=0, site="attn_in")
+    h.activation(bad, layer=1, site="moe_in")  # no raise yet
+    h.activation(bad, layer=2, site="attn_in")
+    with pytest.raises(NonFiniteActivationError, match="layer 1, site moe_in"):
+        h.raise_if_nonfinite()
+    h.raise_if_nonfinite()  # the flags were read: nothing left to raise

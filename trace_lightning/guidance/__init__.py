@@ -10,7 +10,13 @@ from trace_lightning.guidance.compaction import (
     route_bytes_per_token,
     select_layers,
 )
-from trace_lightning.guidance.hook import FakeQuantHook, GuidedHook, NonFiniteActivationError, SiteAgreement
+from trace_lightning.guidance.hook import (
+    FakeQuantHook,
+    FiniteCheckHook,
+    GuidedHook,
+    NonFiniteActivationError,
+    SiteAgreement,
+)
 from trace_lightning.guidance.record import BatchRecord, ModelIdentity, QuantRecord, SiteRecord, collate_records
 from trace_lightning.guidance.store import RecordError, RecordExchange, load_record, save_record
 
@@ -19,6 +25,7 @@ __all__ = [
     "BatchRecord",
     "Compaction",
     "FakeQuantHook",
+    "FiniteCheckHook",
     "GuidedHook",
     "LayerPolicy",
     "ModelIdentity",

@@ -65,11 +65,44 @@ def _check_leading(x: Tensor, mask: Tensor, layer: int, site: str) -> None:
                          f"the record's (B, T) = {tuple(mask.shape)}")
 
 
-class _FP4TrainHook(QuantHook):
+class FiniteCheckHook(QuantHook):
+    """The identity at every site, but refuses a non-finite activation, naming its layer and site.
+
+    Immediately (inside the forward) by default. With ``deferred`` each site leaves a device flag and
+    ``raise_if_nonfinite``, called after the forward, reads them all with one host sync and raises for the first
+    bad site: on a GPU a sync per site would drain the launch queue some fifty times a forward.
+    """
+
+    def __init__(self, deferred: bool = False) -> None:
+        self.deferred = deferred
+        self._flags: list[tuple[int, str, Tensor]] = []
+
+    def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
+        self.check_finite(x, layer, site)
+        return x
+
+    def check_finite(self, x: Tensor, layer: int, site: str) -> None:
+        if self.deferred:
+            self._flags.append((layer, site, torch.isfinite(x).all()))
+        elif not bool(torch.isfinite(x).all()):
+            raise NonFiniteActivationError.at(layer, site)
+
+    def raise_if_nonfinite(self) -> None:
+        """Raise NonFiniteActivationError for the first site whose deferred check failed (one host sync)."""
+        flags, self._flags = self._flags, []
+        if not flags:
+            return
+        for (layer, site, _), finite in zip(flags, torch.stack([f for *_, f in flags]).tolist(), strict=True):
+            if not finite:
+                raise NonFiniteActivationError.at(layer, site)
+
+
+class _FP4TrainHook(FiniteCheckHook):
     """Shared by both hooks: weight fake-quant, the finite check and the optional audit."""
 
     def __init__(self, fmt: FP4Format | str, audit: BatchRecord | None = None,
                  valid_mask: Tensor | None = None) -> None:
+        super().__init__()
         self.fmt = parse_format(fmt)
         self.weight_fmt = self.fmt.for_weights()
         self.valid_mask = None if valid_mask is None else valid_mask.bool()
@@ -84,11 +117,6 @@ class _FP4TrainHook(QuantHook):
     def weight(self, w: Tensor, *, layer: int, name: str) -> Tensor:
         # Rounding to the per-matrix quantization's own codes is plain RNE fake-quant, with its STE gradient.
         return fake_quantize(w, self.weight_fmt, quantize_weight(w.detach(), self.weight_fmt), "full")
-
-    @staticmethod
-    def check_finite(x: Tensor, layer: int, site: str) -> None:
-        if not bool(torch.isfinite(x).all()):
-            raise NonFiniteActivationError.at(layer, site)
 
     def _mask(self, record: BatchRecord, x: Tensor, layer: int, site: str) -> Tensor:
         """Positions where `record` may be used: recorded and (if given) real tokens."""
@@ -173,6 +201,8 @@ class GuidedHook(_FP4TrainHook):
             raise ValueError(f"valid_mask of shape {tuple(valid_mask.shape)} does not match the record's "
                              f"(B, T) = {tuple(batch_record.valid.shape)}")
         self.record = batch_record
+        self._all_valid: bool | None = None
+        """Whether every position has a record (the same for every site: read once, one host sync a forward)."""
 
     def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
         self.check_finite(x, layer, site)
@@ -182,7 +212,9 @@ class GuidedHook(_FP4TrainHook):
         else:
             valid = self._mask(self.record, x, layer, site)
             out = fake_quantize(x, self.fmt, self.record.ref(layer, site), self.mode)
-            if not bool(valid.all()):
+            if self._all_valid is None:
+                self._all_valid = bool(valid.all())
+            if not self._all_valid:
                 out = torch.where(_expand_mask(valid, x), out, fake_quantize(x, self.fmt))
         self._audit(x.detach(), out.detach(), layer, site)
         return out

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Problem
-from trace_lightning.guidance import FakeQuantHook, GuidedHook, NonFiniteActivationError
+from trace_lightning.guidance import FakeQuantHook, FiniteCheckHook, GuidedHook, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
 from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale
@@ -50,16 +50,6 @@ def _as_config(cls: type, value: Any) -> Any:
 
 class NonFiniteError(RuntimeError):
     """The training forward produced a non-finite activation, logit or loss."""
-
-
-class FiniteCheckHook(QuantHook):
-    """The identity at every site, but stops at the first non-finite activation (the quantizing hooks check
-    this themselves), so unquantized methods fail with the same error naming layer and site."""
-
-    def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
-        if not bool(torch.isfinite(x).all()):
-            raise NonFiniteActivationError.at(layer, site)
-        return x
 
 
 def build_policy(model: str, checkpoint: str | None) -> tuple[Transformer, Any]:
@@ -226,14 +216,17 @@ class PolicyModule(L.LightningModule):
     def training_forward(self, batch: TrainBatch, hook: QuantHook | None) -> tuple[Tensor, list[Tensor]]:
         """Token logprobs (B, T-1) of tokens[:, 1:] at the sampling temperature, and training's routes."""
         routed = batch.routes if self.trace.route_replay and batch.routes is not None else None
+        checked = hook if isinstance(hook, FiniteCheckHook) else FiniteCheckHook()
+        checked.deferred = True  # one host sync after the forward, not one a site
         try:
             out = self.policy(
                 batch.tokens[:, :-1],
                 attention_mask=batch.attention_mask[:, :-1],
-                hook=hook or FiniteCheckHook(),
+                hook=hook or checked,
                 routed=routed,
                 return_routes=True,
             )
+            checked.raise_if_nonfinite()
         except NonFiniteActivationError as err:
             raise NonFiniteError(f"step {self.global_step}: {err}") from err
         logprobs = token_logprobs(out.logits.float(), batch.tokens[:, 1:], self.rollout_cfg.temperature)

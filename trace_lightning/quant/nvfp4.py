@@ -93,9 +93,8 @@ def nvfp4_scales(blocks: Tensor, global_scale: Tensor | None) -> Tensor:
     bad = ~torch.isfinite(amax)
     if global_scale is not None:
         bad = bad | ~torch.isfinite(global_scale)
-    if bool(bad.any()):
-        scales = scales.view(torch.uint8).masked_fill(bad, E4M3_NAN_BYTE).view(torch.float8_e4m3fn)
-    return scales
+    # unconditionally: asking whether any block is bad would sync with the host on every (weight) quantization
+    return scales.view(torch.uint8).masked_fill(bad, E4M3_NAN_BYTE).view(torch.float8_e4m3fn)
 
 
 def quantize_nvfp4(x: Tensor, global_scale: Tensor | float | None = None) -> NVFP4:
