@@ -19,9 +19,8 @@ import torch
 
 from trace_lightning.model import Transformer
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, RolloutBatch, SamplingParams, sequence_seeds
-from trace_lightning.rollout.decode import DecodeLoop
 
-from .test_decode_graph import assert_same_rollout, emulated_capture
+from .test_decode_graph import assert_same_rollout, emulate_graphs
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 40, 41], [1, 70, 71], [2, 3], [1, 2, 3, 4, 5, 6], [9, 9, 9]]
 MAX_NEW = [9, 3, 12, 1, 6, 15, 4]
@@ -146,14 +145,7 @@ def test_refills_between_graph_replays(
     precision, params = FP4Precision(compute_dtype="fp32"), SamplingParams(max_new_tokens=MAX_NEW, seed=SEED)
     eager = Engine(copy.deepcopy(base_model), precision, cuda_graph=False, sync_every=2)
     want = eager.generate(PROMPTS, params, capture=CaptureSpec(), max_batch=3)
-    init = DecodeLoop.__init__
-
-    def graph_on_cpu(self: DecodeLoop, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        init(self, *args, **kwargs)
-        self.use_graph = True
-
-    monkeypatch.setattr(DecodeLoop, "__init__", graph_on_cpu)
-    monkeypatch.setattr(DecodeLoop, "_capture", emulated_capture)
+    emulate_graphs(monkeypatch)
     got = Engine(model, precision, cuda_graph=False, sync_every=2).generate(
         PROMPTS, params, capture=CaptureSpec(), max_batch=3
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,6 +30,19 @@ def emulated_capture(loop: DecodeLoop) -> None:
     loop.use_graph = False
     loop.cache.visible = loop.cache.max_len
     loop.graph = types.SimpleNamespace(replay=loop.step)
+
+
+def emulate_graphs(monkeypatch: pytest.MonkeyPatch,
+                   capture: Callable[[DecodeLoop], None] = emulated_capture) -> None:
+    """From here on, decode loops capture and replay as on a GPU, through `capture` (CPU emulation)."""
+    init = DecodeLoop.__init__
+
+    def graph_on_cpu(self: DecodeLoop, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        init(self, *args, **kwargs)
+        self.use_graph = True
+
+    monkeypatch.setattr(DecodeLoop, "__init__", graph_on_cpu)
+    monkeypatch.setattr(DecodeLoop, "_capture", capture)
 
 
 def assert_same_rollout(a: RolloutBatch, b: RolloutBatch) -> None:
@@ -52,14 +66,7 @@ def test_replayed_steps_over_the_full_window_equal_the_eager_loop(model: Transfo
     eager = Engine(copy.deepcopy(base_model), FP4Precision(compute_dtype="fp32"), backend="sim", cuda_graph=False)
     want = eager.generate(PROMPTS, PARAMS, capture=CaptureSpec())
     assert want.stats["graph_steps"] == 0
-    init = DecodeLoop.__init__
-
-    def graph_on_cpu(self: DecodeLoop, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        init(self, *args, **kwargs)
-        self.use_graph = True
-
-    monkeypatch.setattr(DecodeLoop, "__init__", graph_on_cpu)
-    monkeypatch.setattr(DecodeLoop, "_capture", emulated_capture)
+    emulate_graphs(monkeypatch)
     got = Engine(model, FP4Precision(compute_dtype="fp32"), backend="sim", cuda_graph=False).generate(
         PROMPTS, PARAMS, capture=CaptureSpec())
     # Steps 1 and 2 eager, then replays through step 7 (the longest response has 8 tokens) unless all stop early.
@@ -71,14 +78,7 @@ def test_replayed_steps_over_the_full_window_equal_the_eager_loop(model: Transfo
 def test_no_capture_for_short_generations(model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A capture pays off only with replays after it: none when fewer than two steps would follow step 3."""
     captured = []
-    init = DecodeLoop.__init__
-
-    def graph_on_cpu(self: DecodeLoop, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        init(self, *args, **kwargs)
-        self.use_graph = True
-
-    monkeypatch.setattr(DecodeLoop, "__init__", graph_on_cpu)
-    monkeypatch.setattr(DecodeLoop, "_capture", lambda loop: captured.append(1) or emulated_capture(loop))
+    emulate_graphs(monkeypatch, lambda loop: captured.append(1) or emulated_capture(loop))
     out = Engine(model, "fp32", cuda_graph=False).generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.0))
     assert not captured and out.stats["graph_steps"] == 0
 
@@ -105,14 +105,7 @@ def test_replayed_steps_write_the_eager_loops_parity_record(base_model: Transfor
     # fp32: the replay attends over the whole window, and in bf16 that moves a sum by an ulp (then a code, a token)
     eager = Engine(copy.deepcopy(base_model), precision, cuda_graph=False, sync_every=3).generate(
         PROMPTS, params, capture=capture)
-    init = DecodeLoop.__init__
-
-    def graph_on_cpu(self: DecodeLoop, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
-        init(self, *args, **kwargs)
-        self.use_graph = True
-
-    monkeypatch.setattr(DecodeLoop, "__init__", graph_on_cpu)
-    monkeypatch.setattr(DecodeLoop, "_capture", emulated_capture)
+    emulate_graphs(monkeypatch)
     graph = Engine(copy.deepcopy(base_model), precision, cuda_graph=False, sync_every=3).generate(
         PROMPTS, params, capture=capture)
     assert graph.stats["graph_steps"] > 0 and graph.responses == eager.responses
