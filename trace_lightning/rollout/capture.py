@@ -81,11 +81,11 @@ class RowBuffer:
                                                    device=t.device)
                 self.dtypes[f.name] = t.dtype
 
-    def write(self, q: BlockFP4, positions: Tensor, rows: Tensor | None = None) -> None:
-        """Store q (leading dims (B, T)) at [rows, positions] (B, T); rows default to the batch index."""
+    def write(self, q: BlockFP4, positions: Tensor) -> None:
+        """Store q (leading dims (B, T)) at positions (B, T) of its batch rows."""
         if self.template is None:
             self._allocate(q)
-        rows = batch_rows(positions) if rows is None else rows
+        rows = batch_rows(positions)
         for name, buf in self.buffers.items():
             t = getattr(q, name)
             buf[rows, positions] = t.view(buf.dtype) if t.dtype != buf.dtype else t
@@ -98,18 +98,6 @@ class RowBuffer:
     def window(self, n: int) -> BlockFP4:
         """Positions 0..n-1 of every row, leading dims (B, n) (views, no copy)."""
         return self._build((slice(None), slice(0, n)))
-
-    def take(self, b: int, n: int) -> BlockFP4:
-        """Row b's positions 0..n-1 as an independent BlockFP4 with leading dim n."""
-        q = self._build((b, slice(0, n)))
-        return dataclasses.replace(q, **{name: getattr(q, name).clone() for name in self.buffers})
-
-    def cpu(self) -> RowBuffer:
-        """A copy on the CPU (one transfer per field), to cut per-sequence records from without device syncs."""
-        out = RowBuffer(self.batch, self.max_len)
-        out.template, out.dtypes = self.template, self.dtypes
-        out.buffers = {name: buf.cpu() for name, buf in self.buffers.items()}
-        return out
 
 
 class Recorder:
