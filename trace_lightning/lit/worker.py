@@ -166,7 +166,12 @@ class RolloutWorker(L.LightningModule):
         logprobs = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
         for i, (p, lp) in enumerate(zip(prompts, out.logprobs, strict=True)):
             logprobs[i, len(p) - 1 : len(p) - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
-        routes = list(out.route_table[:, :, : width - 1].long().unbind(0))  # per layer (B, width - 1, top_k)
+        # per layer (B, width - 1, top_k), padded with expert 0 as it always was: another padding changes how many
+        # rows each expert's GEMM sees, and so (BLAS blocking) real tokens' values by ulps, and the run with them
+        table = out.route_table[:, :, : width - 1].long()
+        lengths = torch.tensor([out.record_length(i) for i in range(len(out))], device=table.device)
+        real = torch.arange(width - 1, device=table.device) < lengths[:, None]
+        routes = list(torch.where(real[None, :, :, None], table, 0).unbind(0))
         return TrainBatch(
             tokens=tokens,
             attention_mask=attention_mask,
