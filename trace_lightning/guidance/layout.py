@@ -4,8 +4,9 @@ Each recorded (layer, site) owns a fixed slot of a token's row: its row global s
 globals only), its block scale bytes, then its payload (packed 4-bit codes, or parity bits packed 8 per byte).
 A batch's record is then one uint8 tensor [B, T, width]: the rollout's recorder writes each site straight
 into its slot while decoding (no per-sequence objects; on the device, or streamed to the host for long
-rollouts), training receives it in one copy, and every site is read back as a view. Slots start on 4-byte boundaries and the width is a multiple
-of 16, so the float32 globals are aligned views and a row never straddles a vector load needlessly.
+rollouts), training receives it in one copy, and every site is read back as a view. Slots start on 4-byte
+boundaries and the width is a multiple of 16, so the float32 globals are aligned views and a row never straddles
+a vector load needlessly.
 """
 
 from __future__ import annotations
