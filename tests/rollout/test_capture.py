@@ -52,7 +52,8 @@ class Spy:
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
     s = Spy()
-    activation, update, fp4_moe = FP4ActivationHook.activation, FP4KVCache.update, sim.fp4_moe
+    activation, update, attend, fp4_moe = (FP4ActivationHook.activation, FP4KVCache.update, FP4KVCache.attend,
+                                           sim.fp4_moe)
 
     def spy_activation(self: FP4ActivationHook, x: torch.Tensor, *, layer: int, site: str) -> torch.Tensor:
         if self.quantizes(site):
@@ -71,8 +72,17 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
         s.moe_h.append(h)
         return out, h
 
+    def spy_attend(self: FP4KVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor, scale: float) -> Any:
+        if self not in s.caches:
+            s.caches.append(self)
+        s.keep(layer, "k", k, positions)  # the fused path stores k / v here; otherwise update does, with the same
+        s.keep(layer, "v", v, positions)
+        return attend(self, layer, q, k, v, positions, scale)
+
     monkeypatch.setattr(FP4ActivationHook, "activation", spy_activation)
     monkeypatch.setattr(FP4KVCache, "update", spy_update)
+    monkeypatch.setattr(FP4KVCache, "attend", spy_attend)
     monkeypatch.setattr(sim, "fp4_moe", spy_fp4_moe)
     return s
 

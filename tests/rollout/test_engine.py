@@ -5,7 +5,7 @@ import torch
 
 from trace_lightning.model import QuantHook, Transformer
 from trace_lightning.quant import FP4Format
-from trace_lightning.rollout import Engine, FP4Precision, SamplingParams, quantize_weight, sequence_seeds
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams, quantize_weight, sequence_seeds
 
 from .conftest import PROMPTS
 
@@ -59,6 +59,27 @@ def test_ragged_batch_equals_each_prompt_alone(model: Transformer) -> None:
         assert alone.responses[0] == batch.responses[i]
         assert alone.logprobs[0] == pytest.approx(batch.logprobs[i], abs=1e-5)
         assert torch.equal(alone.routes[0], batch.routes[i])
+
+
+def test_fp4_bf16_ragged_batch_equals_each_prompt_alone(base_model: Transformer) -> None:
+    """The product's rollout (FP4 weights, activations and cache, bf16 compute): every sequence of a ragged batch
+    decodes token for token and code for code as alone, logprobs to float rounding. Attention reads the packed
+    cache up to each query's position only; through SDPA over a window sized by the batch (fused_attention=False)
+    1 of these 12 sequences departs in its tokens on this CPU (a bf16 sum over more masked keys moves a code, then
+    a token; 3 of 16 on debug-moe with 4 layers)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 100, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (12,), generator=g)]
+    max_new = [int(m) for m in torch.randint(8, 40, (12,), generator=g)]
+    seeds = sequence_seeds(0, len(prompts))
+    engine = Engine(copy.deepcopy(base_model), FP4Precision())
+    batch = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, seed=seeds), capture=CaptureSpec())
+    for i, (p, m, s) in enumerate(zip(prompts, max_new, seeds, strict=True)):
+        alone = engine.generate([p], SamplingParams(max_new_tokens=[m], seed=[s]), capture=CaptureSpec())
+        assert alone.responses[0] == batch.responses[i], i
+        assert alone.logprobs[0] == pytest.approx(batch.logprobs[i], abs=1e-5)
+        assert torch.equal(alone.routes[0], batch.routes[i])
+        for key, q in batch.captures[i].items():
+            assert torch.equal(q.packed, alone.captures[0][key].packed), (i, key)
 
 
 def test_seeded_sampling_is_reproducible(model: Transformer) -> None:
@@ -142,7 +163,7 @@ def test_fp4_engine_matches_trainer_fake_quant_forward(model: Transformer, base_
     """fp32 FP4 rollout (weights, activations, KV) vs the training-side full forward with fake-quant; fused:
     attention runs on the packed NVFP4 cache (ops.fp4_kv_attention, the Triton default) instead of SDPA."""
     engine = Engine(model, FP4Precision(fmt=kind, compute_dtype="fp32"), fused_attention=fused)
-    assert engine.fused_attention is fused  # the sim backend's default is the unfused path
+    assert engine.fused_attention is fused
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=1.0, seed=1))
     for p, r, lp in zip(PROMPTS, out.responses, out.logprobs, strict=True):
         full = full_forward_logprobs(base_model, p + r, TrainerFakeQuant(kind))

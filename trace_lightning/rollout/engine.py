@@ -69,9 +69,11 @@ class Engine:
         self.ops: ModuleType = backend_for(self.device, backend)
         self.sync_every = max(1, sync_every)
         self.cuda_graph = cuda_graph  # decode steps replay as one CUDA graph on GPU (rollout/decode.py)
-        # attention over the packed FP4 cache (one kernel reading 4.5-bit K/V); default on for Triton, where the
-        # dequantize-then-SDPA fallback would move more bytes than a bf16 cache
-        self.fused_attention = is_triton(self.ops) if fused_attention is None else fused_attention
+        # attention over the packed FP4 cache (ops.fp4_kv_attention) on every backend: on Triton one kernel reads the
+        # 4.5-bit K/V (the dequantize-then-SDPA fallback would move more bytes than a bf16 cache); on every backend
+        # a query's result then depends on its own keys only, not on how many masked slots follow them (the batch's
+        # longest row), so a sequence decodes bit for bit as it would alone (tests/rollout/test_engine.py)
+        self.fused_attention = True if fused_attention is None else fused_attention
         if kernel_options is not None and not is_triton(self.ops):
             raise ValueError(f"kernel_options configure the Triton kernels; this engine runs {self.ops.__name__}")
         self.kernel_options = kernel_options  # how the Triton kernels launch (autotune, shapes, PDL); None: defaults

@@ -52,7 +52,9 @@ def fp4_kv_attention(
 ) -> Tensor:
     """GQA attention of q [B, Hq, T, Dh] over cached keys j <= q_positions[b, t] -> [B, Hq, T, Dh] in q's dtype.
 
-    Dequantizes the cache and takes the softmax in float32; a query with a negative position outputs zeros.
+    Dequantizes the cache and takes the softmax in float32; a query with a negative position outputs zeros. Reads
+    keys 0 .. max(q_positions) only (outside a CUDA graph capture, where that bound would need a host sync), as the
+    kernel reads no key past its query's position: the result does not depend on how long the cache is.
     """
     B, Hq, T, Dh = q.shape
     Hkv, S = layer.k_packed.shape[1], layer.k_packed.shape[2]
@@ -60,6 +62,9 @@ def fp4_kv_attention(
         raise ValueError(f"q {tuple(q.shape)} / q_positions {tuple(q_positions.shape)} do not fit the cache")
     kd = layer.dequantize_k().to(compute_dtype).repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, S, Dh)
     vd = layer.dequantize_v().to(compute_dtype).repeat_interleave(Hq // Hkv, dim=1)
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        S = min(S, max(int(q_positions.max()) + 1, 1))
+        kd, vd = kd[:, :, :S], vd[:, :, :S]
     scores = (q.to(compute_dtype) @ kd.transpose(-1, -2)).float() * sm_scale  # (B, Hq, T, S)
     allowed = torch.arange(S, device=q.device) <= q_positions[:, None, :, None]  # (B, 1, T, S)
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
