@@ -8,8 +8,8 @@ a host-side bound on the positions written so far, so attention reads a growing 
 The FP4 cache stores NVFP4 rows per token-head (packed codes, E4M3 block scales, fp32 row global) in
 ``ops.FP4KVLayer`` and quantizes through ``ops.kv_append``; MXFP4 rows are kept the same way in a
 position-indexed buffer. It returns the window dequantized in the compute dtype, which is numerically
-what fused attention over the packed cache computes. With ``fused_attention`` (the engine turns it on for
-the Triton backend) NVFP4 layers skip that window: ``attend`` runs ``ops.fp4_kv_attention`` on the packed
+what fused attention over the packed cache computes. With ``fused_attention`` (the engine's default on every
+backend) NVFP4 layers skip that window: ``attend`` runs ``ops.fp4_kv_attention`` on the packed
 cache itself, so a decode step reads 4.5-bit keys and values instead of materializing bf16 copies.
 Boundary (bf16) layers keep a dense cache.
 
