@@ -2,8 +2,11 @@
 
 Run: python tools/bench_engine.py --batch 8 --prompt-len 16 --new-tokens 64 --repeats 3
      python tools/bench_engine.py --preset small-moe --device cuda --batch 512 --prompt-len 24 --new-tokens 128
-Every row runs to max_new_tokens (no stop tokens). "tok/s" counts generated tokens over the whole generate call,
-prefill included (the device synchronized before the clock stops); "decode tok/s" the decode loop's alone (on a
+     python tools/bench_engine.py --preset qwen3-30b-a3b --device cuda --batch 0 --prompt-len 512 --new-tokens 16384 \
+         --records-to-host        # 16K rollouts, each engine at its own largest batch
+Every row runs to max_new_tokens (no stop tokens); on CUDA each row also shows the device's peak memory beside the
+engine's memory plan (weights, KV cache, records, routes: the target is <= 1.15x plus a fixed amount). "tok/s"
+counts generated tokens over the whole generate call, prefill included (the device synchronized before the clock stops); "decode tok/s" the decode loop's alone (on a
 GPU the prefill's tail spills into it: the loop's first host check is where the device catches up). On the CPU
 the FP4 rows run the sim backend (the kernels' CPU twins, which dequantize weights on every call: they measure
 the emulation, not FP4 kernels); on CUDA the Triton kernels with CUDA graphs.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 
 import torch
@@ -46,14 +50,32 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench(model: Transformer, precision: FP4Precision | str, prompts: list[list[int]], params: SamplingParams,
-          repeats: int, capture: CaptureSpec | None, backend: str = "auto",
-          prefill_dense_from: int | None = None) -> tuple[float, float, float]:
-    """Best-of-repeats (tokens/s of the whole call, decode-loop tokens/s, prefill ms)."""
+def random_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def largest_batch(engine: Engine, max_len: int, capture: CaptureSpec | None, reserve_gib: float) -> int:
+    """The engine's own largest batch (Engine.max_batch) in the device's free memory less reserve_gib."""
+    free = torch.cuda.mem_get_info()[0] if engine.device.type == "cuda" else 64 << 30
+    return engine.max_batch(max_len, free + engine.weight_bytes(), capture=capture,
+                            reserve_bytes=int(reserve_gib * 2**30))
+
+
+def bench(model: Transformer, precision: FP4Precision | str, batch: int, prompt_len: int, params: SamplingParams,
+          repeats: int, capture: CaptureSpec | None, backend: str = "auto", prefill_dense_from: int | None = None,
+          reserve_gib: float = 8.0) -> dict[str, float]:
+    """Best-of-repeats tokens/s of the whole call, decode-loop tokens/s and prefill ms, at `batch` (0: the engine's
+    largest), with the device's peak memory against the engine's memory plan."""
     device = next(model.parameters()).device
     engine = Engine(copy.deepcopy(model), precision, backend=backend, prefill_dense_from=prefill_dense_from)
+    max_len = prompt_len + int(params.max_new_tokens)  # type: ignore[arg-type]
+    batch = batch or largest_batch(engine, max_len, capture, reserve_gib)
+    prompts = random_prompts(batch, prompt_len, engine.config.vocab_size)
     engine.generate(prompts, SamplingParams(max_new_tokens=8), capture=capture)  # warm-up: compile, autotune
-    best_tps, best_decode, best_prefill = 0.0, 0.0, float("inf")
+    best = {"batch": float(batch), "tok/s": 0.0, "decode tok/s": 0.0, "prefill ms": float("inf")}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
@@ -61,10 +83,13 @@ def bench(model: Transformer, precision: FP4Precision | str, prompts: list[list[
         synchronize(device)
         elapsed = time.perf_counter() - start
         decoded = out.stats["new_tokens"] - len(prompts)  # the first token of each row comes from prefill
-        best_tps = max(best_tps, out.stats["new_tokens"] / elapsed)
-        best_decode = max(best_decode, decoded / out.stats["decode_s"])
-        best_prefill = min(best_prefill, 1000 * out.stats["prefill_s"])
-    return best_tps, best_decode, best_prefill
+        best["tok/s"] = max(best["tok/s"], out.stats["new_tokens"] / elapsed)
+        best["decode tok/s"] = max(best["decode tok/s"], decoded / out.stats["decode_s"])
+        best["prefill ms"] = min(best["prefill ms"], 1000 * out.stats["prefill_s"])
+        del out
+    best["plan GiB"] = engine.memory_plan(batch, max_len, capture, prompt_len=prompt_len).total / 2**30
+    best["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return best
 
 
 def long_tail_lengths(n: int, cap: int, sigma: float = 1.0) -> list[int]:
@@ -118,7 +143,11 @@ def main_long_tail(model: Transformer, prompts: list[list[int]], args: argparse.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="prompts per call; 0: each engine's own largest batch "
+                        "(Engine.max_batch in the free device memory less --reserve-gib)")
+    parser.add_argument("--reserve-gib", type=float, default=8.0, help="with --batch 0: memory left for activations")
+    parser.add_argument("--records-to-host", action="store_true",
+                        help="the recording rows stream their records to pinned host memory (long rollouts)")
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -141,8 +170,7 @@ def main() -> None:
     torch.manual_seed(0)
     overrides = {"n_layers": args.layers} if args.layers else {}
     model = Transformer.from_name(args.preset, **overrides).to(args.device).eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), generator=g).tolist()
+    prompts = random_prompts(args.batch or 64, args.prompt_len, model.config.vocab_size)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
     print(f"{args.preset} ({model.config.n_layers} layers), batch {args.batch}, prompt {args.prompt_len}, "
@@ -151,12 +179,17 @@ def main() -> None:
         main_long_tail(model, prompts, args)
         return
     names = args.precision or (list(ON_GPU) if args.device.startswith("cuda") else list(PRECISIONS))
-    print("| precision | tok/s (whole call) | decode tok/s | prefill ms |\n|---|---:|---:|---:|")
+    print("| precision | batch | tok/s (whole call) | decode tok/s | prefill ms | peak GiB | plan GiB |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     for name in names:
         dense_from = args.prefill_dense_from if isinstance(PRECISIONS[name], FP4Precision) else None
-        tps, decode, prefill = bench(model, PRECISIONS[name], prompts, params, args.repeats, CAPTURES.get(name),
-                                     args.backend, dense_from)
-        print(f"| {name} | {tps:.0f} | {decode:.0f} | {prefill:.1f} |")
+        capture = CAPTURES.get(name)
+        if capture is not None and args.records_to_host:
+            capture = dataclasses.replace(capture, stream_to_host=True)
+        r = bench(model, PRECISIONS[name], args.batch, args.prompt_len, params, args.repeats, capture, args.backend,
+                  dense_from, args.reserve_gib)
+        print(f"| {name} | {r['batch']:.0f} | {r['tok/s']:.0f} | {r['decode tok/s']:.0f} | {r['prefill ms']:.1f} | "
+              f"{r['peak GiB']:.2f} | {r['plan GiB']:.2f} |")
 
 
 if __name__ == "__main__":
