@@ -6,10 +6,11 @@ Run: python tools/bench_engine.py --batch 8 --prompt-len 16 --new-tokens 64 --re
          --records-to-host        # 16K rollouts, each engine at its own largest batch
 Every row runs to max_new_tokens (no stop tokens); on CUDA each row also shows the device's peak memory beside the
 engine's memory plan (weights, KV cache, records, routes: the target is <= 1.15x plus a fixed amount). "tok/s"
-counts generated tokens over the whole generate call, prefill included (the device synchronized before the clock stops); "decode tok/s" the decode loop's alone (on a
-GPU the prefill's tail spills into it: the loop's first host check is where the device catches up). On the CPU
-the FP4 rows run the sim backend (the kernels' CPU twins, which dequantize weights on every call: they measure
-the emulation, not FP4 kernels); on CUDA the Triton kernels with CUDA graphs.
+counts generated tokens over the whole generate call, prefill included (the device synchronized before the clock
+stops); "decode tok/s" the decode loop's alone (on a GPU the prefill's tail spills into it: the loop's first host
+check is where the device catches up). On the CPU the FP4 rows run the sim backend (the kernels' CPU twins, which
+dequantize weights on every call: they measure the emulation, not FP4 kernels); on CUDA the Triton kernels with
+CUDA graphs.
 
 With --long-tail SLOTS the --batch prompts get long-tailed response lengths (max_new_tokens per prompt drawn
 log-normal with a fixed seed, median --new-tokens / 8, capped at --new-tokens) and the table compares static
