@@ -101,11 +101,11 @@ def long_tail_lengths(n: int, cap: int, sigma: float = 1.0) -> list[int]:
 
 
 def bench_long_tail(model: Transformer, precision: FP4Precision | str, prompts: list[list[int]], lengths: list[int],
-                    slots: int, repeats: int) -> tuple[dict[str, tuple[float, float]], int]:
+                    slots: int, repeats: int, backend: str = "auto") -> tuple[dict[str, tuple[float, float]], int]:
     """Best-of-repeats {"static" | "continuous": (generated tokens/s over the calls, decode steps)}, and how many
     sequences came out token for token the same both ways (all in fp32; in bf16 the eager loop's attention
     window, which depends on the batch, can move a logit by an ulp and, through FP4 activations, a token)."""
-    engine = Engine(copy.deepcopy(model), precision, backend="sim")
+    engine = Engine(copy.deepcopy(model), precision, backend=backend)
     engine.generate(prompts[:slots], SamplingParams(max_new_tokens=2))  # warm-up
     seeds = sequence_seeds(0, len(prompts))
     chunks = [slice(i, i + slots) for i in range(0, len(prompts), slots)]
@@ -136,7 +136,7 @@ def main_long_tail(model: Transformer, prompts: list[list[int]], args: argparse.
     print(f"{'precision':<30} {'static tok/s':>12} {'steps':>6} {'continuous tok/s':>16} {'steps':>6} {'speedup':>8} "
           f"{'same tokens':>11}")
     for name in args.precision or ["fp32"]:
-        r, same = bench_long_tail(model, PRECISIONS[name], prompts, lengths, args.long_tail, args.repeats)
+        r, same = bench_long_tail(model, PRECISIONS[name], prompts, lengths, args.long_tail, args.repeats, args.backend)
         (s_tps, s_steps), (c_tps, c_steps) = r["static"], r["continuous"]
         print(f"{name:<30} {s_tps:>12.0f} {s_steps:>6.0f} {c_tps:>16.0f} {c_steps:>6.0f} {c_tps / s_tps:>7.2f}x "
               f"{same:>5}/{len(prompts)}")

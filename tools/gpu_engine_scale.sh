@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The real engine at full scale (issue 24), qwen3-30b-a3b shape (48 layers, random weights), in device calls of at
+# most ~9 minutes each: bash tools/gpu_engine_scale.sh PART, PART one of
+#   batches   bf16 / FP4 / FP4 + parity records (every layer) / FP4 + full records, prompt 512 + 256 new tokens, at
+#             batch 64 and 256: tokens/s of the whole call, prefill ms, peak memory against the engine's plan
+#   prefill   FP4 prefill through the FP4 kernels against dense GEMMs on dequantized weights (prefill_dense_from),
+#             batch 256 x 512 prompt tokens, beside BF16
+#   long      16K new tokens at each engine's own largest batch (Engine.max_batch), records streamed to the host
+#   tail      static against continuous batching on a long-tailed length mix (64 slots)
+# Logs under $OUT. The first call of a session should be tools/gpu_fit.sh (CUDA tests included).
+set -uo pipefail
+PART=${1:-batches}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+B="python3 tools/bench_engine.py --preset qwen3-30b-a3b --device cuda --repeats 2"
+case "$PART" in
+  batches)
+    for batch in 64 256; do
+      timeout 260 $B --batch $batch --prompt-len 512 --new-tokens 256 2>&1 | tee "$OUT/batches_$batch.log" | grep "^|\|Error"
+    done ;;
+  prefill)
+    timeout 250 $B --batch 256 --prompt-len 512 --new-tokens 2 --precision bf16 --precision "nvfp4 W+A+KV (bf16 compute)" \
+      2>&1 | tee "$OUT/prefill_kernels.log" | grep "^|\|Error"
+    timeout 250 $B --batch 256 --prompt-len 512 --new-tokens 2 --precision "nvfp4 W+A+KV (bf16 compute)" \
+      --prefill-dense-from 4096 2>&1 | tee "$OUT/prefill_dense.log" | grep "^|\|Error" ;;
+  long)
+    timeout 540 $B --batch 0 --prompt-len 512 --new-tokens 16384 --repeats 1 --records-to-host \
+      --precision bf16 --precision "nvfp4 W+A+KV (bf16 compute)" --precision "nvfp4 W+A+KV bf16 + parity records" \
+      2>&1 | tee "$OUT/long.log" | grep "^|\|Error" ;;
+  tail)
+    timeout 540 $B --batch 512 --prompt-len 128 --new-tokens 1024 --long-tail 64 --repeats 1 \
+      --precision "nvfp4 W+A+KV (bf16 compute)" 2>&1 | tee "$OUT/tail.log" | grep -v "^#" ;;
+  *) echo "unknown part $PART (batches, prefill, long, tail)"; exit 2 ;;
+esac
