@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="prompts per call; 0: each engine's own largest batch "
                         "(Engine.max_batch in the free device memory less --reserve-gib)")
     parser.add_argument("--reserve-gib", type=float, default=8.0, help="with --batch 0: memory left for activations")
+    parser.add_argument("--record-layers", type=int, default=0, metavar="K",
+                        help="the recording rows record the K deepest layers only (0: every layer); a 16K x 245 "
+                             "rollout's parity records of all 48 layers would need ~570 GB of host memory")
     parser.add_argument("--records-to-host", action="store_true",
                         help="the recording rows stream their records to pinned host memory (long rollouts)")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -187,6 +190,9 @@ def main() -> None:
         capture = CAPTURES.get(name)
         if capture is not None and args.records_to_host:
             capture = dataclasses.replace(capture, stream_to_host=True)
+        if capture is not None and args.record_layers:
+            n = model.config.n_layers
+            capture = dataclasses.replace(capture, layers=set(range(max(0, n - args.record_layers), n)))
         r = bench(model, PRECISIONS[name], args.batch, args.prompt_len, params, args.repeats, capture, args.backend,
                   dense_from, args.reserve_gib)
         print(f"| {name} | {r['batch']:.0f} | {r['tok/s']:.0f} | {r['decode tok/s']:.0f} | {r['prefill ms']:.1f} | "

@@ -5,7 +5,8 @@
 #             batch 64 and 256: tokens/s of the whole call, prefill ms, peak memory against the engine's plan
 #   prefill   FP4 prefill through the FP4 kernels against dense GEMMs on dequantized weights (prefill_dense_from),
 #             batch 256 x 512 prompt tokens, beside BF16
-#   long      16K new tokens at each engine's own largest batch (Engine.max_batch), records streamed to the host
+#   long      16K new tokens at each engine's own largest batch (Engine.max_batch), parity records of the 4 deepest
+#             layers streamed to the host (every layer's would not fit the host's memory)
 #   tail      static against continuous batching on a long-tailed length mix (64 slots)
 # Logs under $OUT. The first call of a session should be tools/gpu_fit.sh (CUDA tests included).
 set -uo pipefail
@@ -25,7 +26,7 @@ case "$PART" in
     timeout 250 $B --batch 256 --prompt-len 512 --new-tokens 2 --precision "nvfp4 W+A+KV (bf16 compute)" \
       --prefill-dense-from 4096 2>&1 | tee "$OUT/prefill_dense.log" | grep "^|\|Error" ;;
   long)
-    timeout 540 $B --batch 0 --prompt-len 512 --new-tokens 16384 --repeats 1 --records-to-host \
+    timeout 540 $B --batch 0 --prompt-len 512 --new-tokens 16384 --repeats 1 --records-to-host --record-layers 4 \
       --precision bf16 --precision "nvfp4 W+A+KV (bf16 compute)" --precision "nvfp4 W+A+KV bf16 + parity records" \
       2>&1 | tee "$OUT/long.log" | grep "^|\|Error" ;;
   tail)
