@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 
-from trace_lightning.guidance import BatchRecord, QuantRecord
+from trace_lightning.guidance import BatchRecord, ModelIdentity, QuantRecord
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.callbacks import (
     CacheExchange,
@@ -119,3 +119,25 @@ def test_records_streamed_to_the_host_train_exactly_as_records_kept_on_the_devic
     assert streamed.losses == kept.losses
     for ours, theirs in zip(streamed.records, kept.records, strict=True):
         assert ours.layout == theirs.layout and torch.equal(ours.data, theirs.data)
+
+
+def test_records_are_checked_against_the_weights_last_synced_without_gathering_them_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """WeightSync fingerprints the buckets it sends; CacheExchange checks records against that (under FSDP a fresh
+    fingerprint would all-gather the weights a second time each step), and it is the trainer's own weights'."""
+    calls: list[int] = []
+    of = ModelIdentity.of
+
+    def counted(config: Any, named: dict[str, torch.Tensor]) -> ModelIdentity:
+        calls.append(1)
+        return of(config, named)
+
+    class Compare(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            if isinstance(batch, TrainBatch):
+                fresh = of(module.policy.config, module.named_weights_for_sync())
+                assert module.synced_identity == fresh and batch.record.model_id == fresh.fingerprint
+
+    monkeypatch.setattr(ModelIdentity, "of", staticmethod(counted))
+    seen = _fit(tmp_path, "device", Compare())
+    assert len(seen.records) == 3 and calls == []

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
-from trace_lightning.guidance.record import ModelIdentity, format_name
+from trace_lightning.guidance.record import ModelIdentity, format_name, tensor_digests, weights_fingerprint
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.tensorboard import SITE_ORDER, agreement_heatmap, log_measured, write_layout
 from trace_lightning.lit.timing import device_time
@@ -40,13 +40,20 @@ class WeightSync(L.Callback):
     def _sync(self, module: Any, log: bool = True) -> None:
         audit = bool(self.audit_every) and module.policy_version % self.audit_every == 0 and module.method.rollout_fp4
         ours: dict[str, str] = {}
+        digests: dict[str, str] = {}
         sync_s = 0.0
         for bucket in module.weight_buckets(self.bucket_mb << 20):
             start = device_time(module.device)
             module.worker.sync(bucket, module.policy_version)
             sync_s += device_time(module.device) - start
+            digests |= tensor_digests(bucket)
             if audit:
                 ours |= fp4_weight_checksums(bucket, module.fmt, config=module.policy.config)
+        # what records must come from until the next sync (CacheExchange), taken from the buckets already gathered:
+        # under FSDP recomputing it from the sharded weights would cost another all-gather a step
+        config = module.policy.config
+        module.synced_identity = ModelIdentity(weights_fingerprint(digests), config.n_layers, config.n_experts,
+                                               config.top_k)
         if log:  # after the optimizer step: global_step already counts the step this sync follows
             log_measured(module, {"time/sync_s": sync_s}, module.global_step - 1)
         if audit:
@@ -115,7 +122,9 @@ class CacheExchange(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if not isinstance(batch, TrainBatch) or batch.record is None:
             return
-        model = ModelIdentity.of(module.policy.config, module.named_weights_for_sync())
+        model = getattr(module, "synced_identity", None)  # WeightSync's, from the weights it last synced
+        if model is None:
+            model = ModelIdentity.of(module.policy.config, module.named_weights_for_sync())
         if self.transport == "bytes":
             metrics = self._through_bytes(module, batch, model)
         else:

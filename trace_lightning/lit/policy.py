@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Problem
-from trace_lightning.guidance import FakeQuantHook, FiniteCheckHook, GuidedHook, NonFiniteActivationError
+from trace_lightning.guidance import FakeQuantHook, FiniteCheckHook, GuidedHook, ModelIdentity, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
 from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale
@@ -136,6 +136,8 @@ class PolicyModule(L.LightningModule):
         if init_from:
             load_policy_weights(self.policy, init_from)
         self.policy_version = 0
+        self.synced_identity: ModelIdentity | None = None
+        """The weights the rollout engine last received (set by WeightSync; records must come from them)."""
         self.warmup_steps, self.seed = warmup_steps, seed
         # The worker holds its own (FP4) copy of the weights; keep it out of this module's parameters.
         object.__setattr__(
