@@ -20,8 +20,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 echo "## 1. CUDA tests"
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
-  tests/kernels/test_one_definition.py tests/kernels/test_engine_backends.py tests/rollout/test_decode_graph.py \
-  tests/rollout/test_device_record.py 2>&1 | tee "$OUT/pytest.log" | tail -3
+  tests/kernels/test_one_definition.py tests/kernels/test_engine_backends.py tests/kernels/test_record_slot.py \
+  tests/rollout/test_decode_graph.py tests/rollout/test_device_record.py tests/rollout/test_continuous.py \
+  2>&1 | tee "$OUT/pytest.log" | tail -3
 echo "## 2. trace-rl fit, conf/gpu.yaml, 20 warm-start + $RL RL steps"
 rm -rf runs/gpu
 timeout 330 trace-rl fit --config conf/sim.yaml --config conf/gpu.yaml --trainer.max_steps $((20 + RL)) \
