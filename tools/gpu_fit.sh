@@ -19,13 +19,13 @@ export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 echo "## 1. CUDA tests"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
+timeout 120 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
   tests/kernels/test_one_definition.py tests/kernels/test_engine_backends.py tests/kernels/test_record_slot.py \
   tests/rollout/test_decode_graph.py tests/rollout/test_device_record.py tests/rollout/test_continuous.py \
   2>&1 | tee "$OUT/pytest.log" | tail -3
 echo "## 2. trace-rl fit, conf/gpu.yaml, 20 warm-start + $RL RL steps"
 rm -rf runs/gpu
-timeout 330 trace-rl fit --config conf/sim.yaml --config conf/gpu.yaml --trainer.max_steps $((20 + RL)) \
+timeout 300 python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml --trainer.max_steps $((20 + RL)) \
   --model.warmup_steps 20 --trainer.val_check_interval $((20 + RL)) 2>&1 | tee "$OUT/fit.log" | grep -v Warning | tail -8
 cp -r runs/gpu "$OUT/runs_gpu" 2>/dev/null
 echo "## 3. the standalone engine at the fit's shape"
