@@ -8,9 +8,10 @@
 #   4. the fit's TensorBoard scalars as a table (tools/tb_summary.py).
 # The GPU image lacks jsonargparse, omegaconf and reasoning-gym (and its needs): they travel as wheels in .whl
 # (see .whl/README in the closing notes; `run(..., carry=[".whl"])`).
-# Usage: bash tools/gpu_fit.sh [RL_STEPS]   (default 20 RL steps after 20 warm-start steps)
+# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench]   (default 20 RL steps after 20 warm-start steps)
 set -uo pipefail
 RL=${1:-20}
+PART=${2:-all}  # all, or one of tests / fit / bench: shorter calls lose less when a machine is taken back
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -18,20 +19,27 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
-echo "## 1. CUDA tests"
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
-  tests/kernels/test_one_definition.py tests/kernels/test_engine_backends.py tests/kernels/test_record_slot.py \
-  tests/rollout/test_decode_graph.py tests/rollout/test_device_record.py tests/rollout/test_continuous.py \
-  2>&1 | tee "$OUT/pytest.log" | tail -3
-echo "## 2. trace-rl fit, conf/gpu.yaml, 20 warm-start + $RL RL steps"
-rm -rf runs/gpu
-timeout 300 python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml --trainer.max_steps $((20 + RL)) \
-  --model.warmup_steps 20 --trainer.val_check_interval $((20 + RL)) 2>&1 | tee "$OUT/fit.log" | grep -v Warning | tail -8
-cp -r runs/gpu "$OUT/runs_gpu" 2>/dev/null
-echo "## 3. the standalone engine at the fit's shape"
-timeout 90 python3 tools/bench_engine.py --preset small-moe --device cuda --batch 512 --prompt-len 24 \
-  --new-tokens 128 --repeats 2 2>&1 | tee "$OUT/bench_engine.log" | grep "^|"
-echo "## 4. the fit's scalars"
-RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
-[ -n "$RUN" ] && python3 tools/tb_summary.py "$RUN" --match time/ rollout/ train/tokens memory/ agreement/ quant/ \
-  mismatch/k3 reward/mean guidance/ eval/ | tee "$OUT/fit_scalars.md"
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
+  echo "## 1. CUDA tests"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
+    tests/kernels/test_one_definition.py tests/kernels/test_engine_backends.py tests/kernels/test_record_slot.py \
+    tests/rollout/test_decode_graph.py tests/rollout/test_device_record.py tests/rollout/test_continuous.py \
+    2>&1 | tee "$OUT/pytest.log" | tail -6
+fi
+if [ "$PART" = all ] || [ "$PART" = fit ]; then
+  echo "## 2. trace-rl fit, conf/gpu.yaml, 20 warm-start + $RL RL steps"
+  rm -rf runs/gpu
+  timeout 300 python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
+    --trainer.max_steps $((20 + RL)) --model.warmup_steps 20 --trainer.val_check_interval $((20 + RL)) 2>&1 \
+    | tee "$OUT/fit.log" | grep -v Warning | tail -12
+  cp -r runs/gpu "$OUT/runs_gpu" 2>/dev/null
+  echo "## the fit's scalars"
+  RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
+  [ -n "$RUN" ] && python3 tools/tb_summary.py "$RUN" --match time/ rollout/ train/tokens memory/ agreement/ \
+    quant/code quant/value mismatch/k3 reward/mean guidance/ eval/ sync | tee "$OUT/fit_scalars.md"
+fi
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
+  echo "## 3. the standalone engine at the fit's shape"
+  timeout 150 python3 tools/bench_engine.py --preset small-moe --device cuda --batch 512 --prompt-len 24 \
+    --new-tokens 128 --repeats 2 2>&1 | tee "$OUT/bench_engine.log" | grep "^|\|Error\|error"
+fi
