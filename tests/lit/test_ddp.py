@@ -96,7 +96,7 @@ class MemoryLogger(Logger):
 
     @rank_zero_only
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
+        """Hyperparameters are not what these tests compare: nothing to keep."""
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:

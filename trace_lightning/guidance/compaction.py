@@ -137,8 +137,8 @@ def layer_bytes_per_token(config: MoEConfig, fmt: FP4Format | str, mode: str,
                           sites: Iterable[str] | None = None) -> dict[int, float]:
     """Record payload bytes per token of each quantized layer recording `sites` (None: every site), from the shapes
     alone (no record needed)."""
-    per_site = site_bytes_per_token(config, fmt, mode)
-    per_layer = sum(v for site, v in per_site.items() if sites is None or site in set(sites))
+    per_site, keep = site_bytes_per_token(config, fmt, mode), None if sites is None else set(sites)
+    per_layer = sum(v for site, v in per_site.items() if keep is None or site in keep)
     return {layer: float(per_layer) for layer in range(config.n_layers) if config.is_quantized_layer(layer)}
 
 

@@ -11,6 +11,7 @@ a vector load needlessly.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -117,11 +118,14 @@ class RecordLayout:
     def keys(self) -> list[SiteKey]:
         return [s.key for s in self.slots]
 
+    @functools.cached_property
+    def _by_key(self) -> dict[SiteKey, SiteSlot]:
+        return {s.key: s for s in self.slots}
+
     def slot(self, key: SiteKey) -> SiteSlot:
-        for s in self.slots:
-            if s.key == key:
-                return s
-        raise KeyError(f"no record for layer {key[0]} site {key[1]}; recorded: {self.keys}")
+        if key not in self._by_key:
+            raise KeyError(f"no record for layer {key[0]} site {key[1]}; recorded: {self.keys}")
+        return self._by_key[key]
 
     @property
     def payload_bytes_per_token(self) -> int:
@@ -140,25 +144,24 @@ class RecordLayout:
         return RecordLayout.build(self.fmt, mode, {k: (self.slot(k).rows, self.slot(k).k) for k in chosen})
 
     # ---- bytes <-> blocks --------------------------------------------------------------------------
+    def view(self, data: Tensor, key: SiteKey) -> tuple[Tensor, Tensor, Tensor | None]:
+        """One site's (scale bytes, payload, row globals or None) as views of data uint8 [*lead, width]."""
+        s, lead = self.slot(key), data.shape[:-1]
+        at = s.offset + s.global_bytes
+        g = data[..., s.offset : at].view(torch.float32).reshape(*lead, *s.rows, 1) if s.global_bytes else None
+        scales = data[..., at : at + s.scale_bytes].reshape(*lead, *s.rows, -1)
+        payload = data[..., at + s.scale_bytes : s.end].reshape(*lead, *s.rows, -1)
+        return scales, payload, g
+
     def views(self, data: Tensor) -> dict[SiteKey, tuple[Tensor, Tensor, Tensor | None]]:
-        """Per site (scale bytes, payload, row globals or None) as views of data uint8 [*lead, width]."""
-        lead = data.shape[:-1]
-        out = {}
-        for s in self.slots:
-            at = s.offset + s.global_bytes
-            g = None
-            if s.global_bytes:
-                g = data[..., s.offset : at].view(torch.float32).reshape(*lead, *s.rows, 1)
-            scales = data[..., at : at + s.scale_bytes].reshape(*lead, *s.rows, -1)
-            payload = data[..., at + s.scale_bytes : s.end].reshape(*lead, *s.rows, -1)
-            out[s.key] = (scales, payload, g)
-        return out
+        """Every site's views (see ``view``)."""
+        return {key: self.view(data, key) for key in self.keys}
 
     def blocks(self, data: Tensor, key: SiteKey) -> BlockFP4:
         """The full-mode tensor of one site (copies, leading dims of data), as the rollout quantized it."""
         if self.mode != "full":
             raise ValueError("parity records keep no codes; record in full mode to read the FP4 tensors back")
-        scales, payload, g = self.views(data)[key]
+        scales, payload, g = self.view(data, key)
         if self.fmt.kind == "mxfp4":
             return MXFP4(packed=payload.clone(), scales=scales.clone().view(torch.float8_e8m0fnu),
                          mode=self.fmt.mx_mode)

@@ -111,23 +111,29 @@ class SiteRecord:
         if self.global_scale is not None and tuple(self.global_scale.shape) != (*rows, 1):
             raise ValueError(f"{what}: global scales of shape {tuple(self.global_scale.shape)}, expected {(*rows, 1)}")
 
-    def check_scale_values(self, fmt: FP4Format, what: str) -> None:
-        """Raise ValueError on a scale no quantizer writes: NVFP4 block scales are positive finite E4M3
-        (clamped to >= 2^-6), row global scales positive finite (floored at 2^-120), E8M0 has no NaN (0xFF)."""
+    def bad_scales(self, fmt: FP4Format) -> tuple[Tensor, Tensor | None]:
+        """Masks of the block scales and row global scales (None without) that no quantizer writes: NVFP4 block
+        scales are positive finite E4M3 (clamped to >= 2^-6), row global scales positive finite (floored at
+        2^-120), E8M0 has no NaN (0xFF)."""
         if fmt.kind == "mxfp4":
-            bad = self.scale_bytes == 0xFF
-            kind = "NaN (0xFF) E8M0 block scale"
+            block = self.scale_bytes == 0xFF
         else:
             scales = self.scale_bytes.view(torch.float8_e4m3fn).float()
-            bad = ~(torch.isfinite(scales) & (scales > 0))
-            kind = "NaN, zero or negative E4M3 block scale"
-        if bool(bad.any()):
-            raise ValueError(f"{what}: {int(bad.sum())} {kind}(s), first at index {_first(bad)}")
+            block = ~(torch.isfinite(scales) & (scales > 0))
         g = self.global_scale
-        if g is not None and not bool((torch.isfinite(g) & (g > 0)).all()):
-            bad = ~(torch.isfinite(g) & (g > 0))
-            raise ValueError(f"{what}: {int(bad.sum())} NaN, infinite, zero or negative row global scale(s), "
-                             f"first at index {_first(bad)} ({float(g[bad][0])})")
+        return block, None if g is None else ~(torch.isfinite(g) & (g > 0))
+
+    def check_scale_values(self, fmt: FP4Format, what: str) -> None:
+        """Raise ValueError on a scale no quantizer writes (see ``bad_scales``)."""
+        block, bad_global = self.bad_scales(fmt)
+        if bool(block.any()):
+            kind = "NaN (0xFF) E8M0 block scale" if fmt.kind == "mxfp4" else "NaN, zero or negative E4M3 block scale"
+            raise ValueError(f"{what}: {int(block.sum())} {kind}(s), first at index {_first(block)}")
+        if bad_global is not None and bool(bad_global.any()):
+            g = self.global_scale
+            assert g is not None
+            raise ValueError(f"{what}: {int(bad_global.sum())} NaN, infinite, zero or negative row global scale(s), "
+                             f"first at index {_first(bad_global)} ({float(g[bad_global][0])})")
 
     def ref(self, fmt: FP4Format, mode: str) -> BlockFP4:
         """The rollout's tensor for guided rounding; for parity records, codes whose bit 0 is the parity."""
@@ -280,6 +286,12 @@ def _first(mask: Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in mask.nonzero()[0])
 
 
+def _picked_twice(ids: Tensor) -> Tensor:
+    """Expert ids [..., top_k] -> [...] True where one token picked an expert twice."""
+    ordered = ids.sort(dim=-1).values
+    return (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
+
+
 def check_route_values(routes: Tensor, n_experts: int | None = None) -> None:
     """Raise ValueError on a negative or (given n_experts) out-of-range expert id, or an expert picked twice by
     one token: training would route through an expert the rollout never used."""
@@ -289,8 +301,7 @@ def check_route_values(routes: Tensor, n_experts: int | None = None) -> None:
     if n_experts is not None and bool((ids >= n_experts).any()):
         raise ValueError(f"expert id {int(ids.max())} is outside the model's {n_experts} experts (layer, "
                          f"position, slot {_first(ids >= n_experts)})")
-    ordered = ids.sort(dim=-1).values
-    twice = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)  # (L, T)
+    twice = _picked_twice(ids)  # (L, T)
     if bool(twice.any()):
         layer, pos = _first(twice)
         raise ValueError(f"duplicate expert ids {ids[layer, pos].tolist()} at layer {layer} position {pos}")
@@ -403,7 +414,7 @@ class BatchRecord:
         if not self.has(layer, site):
             raise KeyError(f"no record for layer {layer} site {site}; recorded layers: {self.layers}")
         if key not in self._refs:
-            scales, payload, g = self.layout.views(self.data)[key]
+            scales, payload, g = self.layout.view(self.data, key)
             site_record = SiteRecord(scales.contiguous(), payload.contiguous(), None if g is None else g.contiguous())
             self._refs[key] = site_record.ref(self.fmt, self.mode)
         return self._refs[key]
@@ -474,31 +485,16 @@ class BatchRecord:
                 raise ValueError(f"record routes are for {n_layers} layers with top-{top_k}, the model has "
                                  f"{model.n_layers} layers with top-{model.top_k}")
         n_experts = model.n_experts if model is not None else None
-        if not bool(torch.stack([_bad_scales(rec, self.fmt).any() for rec in self.sites.values()]
-                                + [_bad_routes(self.routes, n_experts).any()]).any()):
+        ids = self.routes.long()
+        flags = [(ids < 0).any(), _picked_twice(ids).any()]
+        flags += [] if n_experts is None else [(ids >= n_experts).any()]
+        for rec in self.sites.values():
+            flags += [mask.any() for mask in rec.bad_scales(self.fmt) if mask is not None]
+        if not bool(torch.stack(flags).any()):  # the one host sync when everything is right
             return
         for (layer, site), rec in self.sites.items():
             rec.check_scale_values(self.fmt, f"layer {layer} site {site}")
         check_route_values(self.routes.flatten(1, 2), n_experts)
-
-
-def _bad_scales(rec: SiteRecord, fmt: FP4Format) -> Tensor:
-    """Mask of the block and row global scales no quantizer writes (see SiteRecord.check_scale_values)."""
-    if fmt.kind == "mxfp4":
-        bad = (rec.scale_bytes == 0xFF).flatten()
-    else:
-        scales = rec.scale_bytes.view(torch.float8_e4m3fn).float()
-        bad = (~(torch.isfinite(scales) & (scales > 0))).flatten()
-    g = rec.global_scale
-    return bad if g is None else torch.cat([bad, (~(torch.isfinite(g) & (g > 0))).flatten()])
-
-
-def _bad_routes(routes: Tensor, n_experts: int | None) -> Tensor:
-    """Mask of the (layer, ..., position) whose expert ids are negative, out of range or repeated."""
-    ids = routes.long()
-    bad = (ids < 0).any(-1) | ((ids >= n_experts).any(-1) if n_experts is not None else False)
-    ordered = ids.sort(dim=-1).values
-    return bad | (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
 
 
 def collate_records(records: Sequence[QuantRecord], pad_to: int | None = None) -> BatchRecord:

@@ -150,9 +150,6 @@ class Recorder:
             return batch_rows(self.positions)
         return self.rows[:, None].expand_as(self.positions)
 
-    def wants(self, layer: int, site: str) -> bool:
-        return (layer, site) in self.slots
-
     def observe(self, q: BlockFP4, *, layer: int, site: str) -> None:
         """Write q (leading dims (B, T) of the current forward) into its slot if (layer, site) is recorded."""
         slot = self.slots.get((layer, site))
@@ -214,16 +211,17 @@ class Recorder:
         fill = torch.arange(self.routes.shape[-1], dtype=self.routes.dtype, device=self.routes.device)
         return torch.where(self.valid(lengths)[None, :, :, None], self.routes, fill)
 
-    def batch_record(self, lengths: Tensor, policy_version: int, model_id: str) -> BatchRecord:
-        """The record of the whole call on the device: positions past a row's length hold the pad row."""
+    def batch_record(self, lengths: Tensor, routes: Tensor, policy_version: int, model_id: str) -> BatchRecord:
+        """The record of the whole call (with `routes`, the call's ``route_table``): positions past a row's length
+        hold the pad row."""
         assert self.layout is not None, "no capture was requested"
         missing = sorted(set(self.slots) - self.observed)
         if missing:
             raise RuntimeError(f"record sites {missing} were laid out but never quantized by the forward")
         valid = self.valid(lengths.to(self.data.device))
         self.data[~valid] = self.layout.pad_row(self.data.device)  # in place: the record is handed over as is
-        return BatchRecord(self.data, self.route_table(lengths).to(self.data.device), valid, self.layout,
-                           [policy_version] * self.batch, model_id)
+        return BatchRecord(self.data, routes.to(self.data.device), valid, self.layout, [policy_version] * self.batch,
+                           model_id)
 
 
 class FP4ActivationHook(QuantHook):

@@ -321,8 +321,9 @@ class Engine:
         lengths = torch.tensor([len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)],
                                device=self.device)
         with torch.inference_mode(False):  # training reads (and may modify) these: normal tensors, not inference ones
-            record = recorder.batch_record(lengths, self.policy_version, self.model_id) if capture is not None else None
             routes = recorder.route_table(lengths)
+            record = (recorder.batch_record(lengths, routes, self.policy_version, self.model_id)
+                      if capture is not None else None)
         return RolloutBatch(
             prompts=[list(p) for p in prompts], responses=responses, logprobs=out_lps, finish_reasons=reasons,
             policy_version=self.policy_version, route_table=routes, record=record, capture=capture,
