@@ -60,11 +60,10 @@ def fp4_kv_attention(
     Hkv, S = layer.k_packed.shape[1], layer.k_packed.shape[2]
     if Hq % Hkv or q_positions.shape != (B, T):
         raise ValueError(f"q {tuple(q.shape)} / q_positions {tuple(q_positions.shape)} do not fit the cache")
-    kd = layer.dequantize_k().to(compute_dtype).repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, S, Dh)
-    vd = layer.dequantize_v().to(compute_dtype).repeat_interleave(Hq // Hkv, dim=1)
     if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         S = min(S, max(int(q_positions.max()) + 1, 1))
-        kd, vd = kd[:, :, :S], vd[:, :, :S]
+    kd = layer.keys(S).dequantize().to(compute_dtype).repeat_interleave(Hq // Hkv, dim=1)  # (B, Hq, S, Dh)
+    vd = layer.values(S).dequantize().to(compute_dtype).repeat_interleave(Hq // Hkv, dim=1)
     scores = (q.to(compute_dtype) @ kd.transpose(-1, -2)).float() * sm_scale  # (B, Hq, T, S)
     allowed = torch.arange(S, device=q.device) <= q_positions[:, None, :, None]  # (B, 1, T, S)
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
