@@ -18,7 +18,7 @@ STEPS=$((10 + RL))
 fit() {  # fit NAME ARGS...: a short fit into runs/multi/NAME, its scalars as a table
   local name=$1; shift
   echo "## $name"
-  timeout 240 trace-rl fit --config conf/sim.yaml --config conf/gpu.yaml "$@" --trainer.max_steps $STEPS \
+  timeout 240 python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml "$@" --trainer.max_steps $STEPS \
     --model.warmup_steps 10 --trainer.val_check_interval $STEPS --trainer.logger.init_args.save_dir runs/multi \
     --trainer.logger.init_args.name "$name" 2>&1 | tee "$OUT/$name.log" | grep -v Warning | tail -4
   local run; run=$(ls -d runs/multi/"$name"/version_* 2>/dev/null | tail -1)
