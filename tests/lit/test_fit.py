@@ -217,7 +217,7 @@ def test_fit_through_the_triton_engine_syncs_exact_bytes_and_guides_exactly(tmp_
         cpu_threads=1,
     )
     callbacks = [WeightSync(audit_every=1), *default_callbacks()[1:]]  # the FP4 byte audit at every sync
-    trainer = L.Trainer(accelerator="cpu", max_steps=4, callbacks=callbacks, logger=RunLogger(str(tmp_path), "fit"),
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, callbacks=callbacks, logger=RunLogger(str(tmp_path), "fit"),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, log_every_n_steps=1)
     trainer.fit(module, datamodule=RLDataModule(env="arithmetic", demo_batch_size=4, eval_size=4))
@@ -227,4 +227,4 @@ def test_fit_through_the_triton_engine_syncs_exact_bytes_and_guides_exactly(tmp_
     assert [(e.step, e.value) for e in acc.Scalars("agreement/used_values")] == [(2, 1.0)]
     assert 0.5 < acc.Scalars("agreement/own_codes")[0].value < 1.0  # unguided rounding differs: guidance works
     k3 = {e.step: e.value for e in acc.Scalars("mismatch/k3_kl")}
-    assert sorted(k3) == [1, 2, 3] and max(k3.values()) < 2e-5, k3
+    assert sorted(k3) == [1, 2] and max(k3.values()) < 2e-5, k3  # step 1 guided by parity, step 2 by codes
