@@ -24,10 +24,11 @@ import argparse
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 
 import torch
 
-from trace_lightning.model import Transformer
+from trace_lightning.model import MoEConfig, Transformer
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, RolloutBatch, SamplingParams, sequence_seeds
 
 PRECISIONS: dict[str, FP4Precision | str] = {
@@ -63,13 +64,36 @@ def largest_batch(engine: Engine, max_len: int, capture: CaptureSpec | None, res
                             reserve_bytes=int(reserve_gib * 2**30))
 
 
-def bench(model: Transformer, precision: FP4Precision | str, batch: int, prompt_len: int, params: SamplingParams,
-          repeats: int, capture: CaptureSpec | None, backend: str = "auto", prefill_dense_from: int | None = None,
-          reserve_gib: float = 8.0) -> dict[str, float]:
+def model_factory(preset: str, device: str, **overrides: object) -> Callable[[], Transformer]:
+    """A fresh copy of one random model (seed 0) for each engine. On the CPU a deep copy of an fp32 model; on CUDA
+    built in bf16 on the device from the seed each time: qwen3-30b-a3b is 61 GB in bf16, so an fp32 model, or a
+    source model beside each engine's copy, would not fit."""
+    if not device.startswith("cuda"):
+        torch.manual_seed(0)
+        model = Transformer.from_name(preset, **overrides).to(device).eval()
+        return lambda: copy.deepcopy(model)
+
+    def build() -> Transformer:
+        torch.cuda.empty_cache()  # the previous engine's blocks
+        torch.manual_seed(0)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                return Transformer.from_name(preset, **overrides).eval()
+        finally:
+            torch.set_default_dtype(default)
+
+    return build
+
+
+def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, batch: int, prompt_len: int,
+          params: SamplingParams, repeats: int, capture: CaptureSpec | None, backend: str = "auto",
+          prefill_dense_from: int | None = None, reserve_gib: float = 8.0) -> dict[str, float]:
     """Best-of-repeats tokens/s of the whole call, decode-loop tokens/s and prefill ms, at `batch` (0: the engine's
     largest), with the device's peak memory against the engine's memory plan."""
-    device = next(model.parameters()).device
-    engine = Engine(copy.deepcopy(model), precision, backend=backend, prefill_dense_from=prefill_dense_from)
+    engine = Engine(make_model(), precision, backend=backend, prefill_dense_from=prefill_dense_from)
+    device = engine.device
     max_len = prompt_len + int(params.max_new_tokens)  # type: ignore[arg-type]
     batch = batch or largest_batch(engine, max_len, capture, reserve_gib)
     prompts = random_prompts(batch, prompt_len, engine.config.vocab_size)
@@ -100,12 +124,13 @@ def long_tail_lengths(n: int, cap: int, sigma: float = 1.0) -> list[int]:
     return draws.round().clamp(1, cap).long().tolist()
 
 
-def bench_long_tail(model: Transformer, precision: FP4Precision | str, prompts: list[list[int]], lengths: list[int],
-                    slots: int, repeats: int, backend: str = "auto") -> tuple[dict[str, tuple[float, float]], int]:
+def bench_long_tail(make_model: Callable[[], Transformer], precision: FP4Precision | str, prompts: list[list[int]],
+                    lengths: list[int], slots: int, repeats: int,
+                    backend: str = "auto") -> tuple[dict[str, tuple[float, float]], int]:
     """Best-of-repeats {"static" | "continuous": (generated tokens/s over the calls, decode steps)}, and how many
     sequences came out token for token the same both ways (all in fp32; in bf16 the eager loop's attention
     window, which depends on the batch, can move a logit by an ulp and, through FP4 activations, a token)."""
-    engine = Engine(copy.deepcopy(model), precision, backend=backend)
+    engine = Engine(make_model(), precision, backend=backend)
     engine.generate(prompts[:slots], SamplingParams(max_new_tokens=2))  # warm-up
     seeds = sequence_seeds(0, len(prompts))
     chunks = [slice(i, i + slots) for i in range(0, len(prompts), slots)]
@@ -129,14 +154,15 @@ def bench_long_tail(model: Transformer, precision: FP4Precision | str, prompts: 
     return best, sum(a == b for a, b in zip(responses["static"], responses["continuous"], strict=True))
 
 
-def main_long_tail(model: Transformer, prompts: list[list[int]], args: argparse.Namespace) -> None:
+def main_long_tail(make_model: Callable[[], Transformer], prompts: list[list[int]], args: argparse.Namespace) -> None:
     lengths = long_tail_lengths(len(prompts), args.new_tokens)
     print(f"response lengths: {sum(lengths)} tokens, median {sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}; "
           f"{args.long_tail} slots")
     print(f"{'precision':<30} {'static tok/s':>12} {'steps':>6} {'continuous tok/s':>16} {'steps':>6} {'speedup':>8} "
           f"{'same tokens':>11}")
     for name in args.precision or ["fp32"]:
-        r, same = bench_long_tail(model, PRECISIONS[name], prompts, lengths, args.long_tail, args.repeats, args.backend)
+        r, same = bench_long_tail(make_model, PRECISIONS[name], prompts, lengths, args.long_tail, args.repeats,
+                                  args.backend)
         (s_tps, s_steps), (c_tps, c_steps) = r["static"], r["continuous"]
         print(f"{name:<30} {s_tps:>12.0f} {s_steps:>6.0f} {c_tps:>16.0f} {c_steps:>6.0f} {c_tps / s_tps:>7.2f}x "
               f"{same:>5}/{len(prompts)}")
@@ -171,16 +197,16 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     overrides = {"n_layers": args.layers} if args.layers else {}
-    model = Transformer.from_name(args.preset, **overrides).to(args.device).eval()
-    prompts = random_prompts(args.batch or 64, args.prompt_len, model.config.vocab_size)
+    make_model = model_factory(args.preset, args.device, **overrides)
+    config = MoEConfig.from_name(args.preset, **overrides)
+    prompts = random_prompts(args.batch or 64, args.prompt_len, config.vocab_size)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
-    print(f"{args.preset} ({model.config.n_layers} layers), batch {args.batch}, prompt {args.prompt_len}, "
+    print(f"{args.preset} ({config.n_layers} layers), batch {args.batch}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, {where}, torch {torch.__version__}")
     if args.long_tail:
-        main_long_tail(model, prompts, args)
+        main_long_tail(make_model, prompts, args)
         return
     names = args.precision or (list(ON_GPU) if args.device.startswith("cuda") else list(PRECISIONS))
     print("| precision | batch | tok/s (whole call) | decode tok/s | prefill ms | peak GiB | plan GiB |\n"
@@ -191,10 +217,10 @@ def main() -> None:
         if capture is not None and args.records_to_host:
             capture = dataclasses.replace(capture, stream_to_host=True)
         if capture is not None and args.record_layers:
-            n = model.config.n_layers
+            n = config.n_layers
             capture = dataclasses.replace(capture, layers=set(range(max(0, n - args.record_layers), n)))
-        r = bench(model, PRECISIONS[name], args.batch, args.prompt_len, params, args.repeats, capture, args.backend,
-                  dense_from, args.reserve_gib)
+        r = bench(make_model, PRECISIONS[name], args.batch, args.prompt_len, params, args.repeats, capture,
+                  args.backend, dense_from, args.reserve_gib)
         print(f"| {name} | {r['batch']:.0f} | {r['tok/s']:.0f} | {r['decode tok/s']:.0f} | {r['prefill ms']:.1f} | "
               f"{r['peak GiB']:.2f} | {r['plan GiB']:.2f} |")
 
