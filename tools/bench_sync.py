@@ -1,0 +1,105 @@
+"""The weight sync of an RL step, part by part: what `WeightSync` times as `time/sync_s`.
+
+The trainer's master weights (fp32, on the same device) go to a fresh FP4 engine through `Engine.update_weights`
+bucket by bucket, as in a fit; the parts are timed alone too: the finite check, the weight digests (the records'
+fingerprint) and the FP4 re-quantization of the quantized layers. Median wall ms over the repeats, the device
+synchronized around each, and the number of torch ops each part dispatches (launch-bound parts show it).
+
+Run: python tools/bench_sync.py --preset small-moe --device cuda      (CPU: --device cpu, slow but runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trace_lightning.guidance.record import tensor_digests
+from trace_lightning.lit.parallel import full_weight_buckets
+from trace_lightning.model import Transformer
+from trace_lightning.rollout import Engine, FP4Precision
+from trace_lightning.rollout.engine import check_weights
+
+
+class OpCount(TorchDispatchMode):
+    """How many aten ops run inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's API)
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall ms of fn after one warm-up call, the device synchronized around each call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def op_count(fn: Callable[[], object]) -> int:
+    with OpCount() as counter:
+        fn()
+    return sum(counter.ops.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small-moe")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--bucket-mb", type=int, default=256)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    policy = Transformer.from_name(args.preset).to(device)
+    engine = Engine(Transformer.from_name(args.preset).to(device).eval(), FP4Precision(compute_dtype=torch.bfloat16))
+    master = {name: t.detach() for name, t in policy.state_dict().items()}
+    buckets = list(full_weight_buckets(master, args.bucket_mb << 20))
+    fp4 = {name: t for name, t in master.items() if name in engine._fp4_weights}
+    version = iter(range(1, 1 << 30))
+
+    def sync() -> None:
+        v = next(version)
+        for bucket in buckets:
+            engine.update_weights(bucket, v)
+
+    def requantize() -> None:
+        for name, t in fp4.items():
+            module, key = engine._fp4_weights[name]
+            module.set_weight(key, t)
+
+    parts: Mapping[str, Callable[[], object]] = {
+        "update_weights, every bucket (time/sync_s)": sync,
+        "  finite check (check_weights)": lambda: [check_weights(b, "sync") for b in buckets],
+        "  digests (tensor_digests)": lambda: [tensor_digests(b) for b in buckets],
+        "  FP4 re-quantization (set_weight)": requantize,
+    }
+    params = sum(t.numel() for t in master.values())
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{args.preset}: {params / 1e6:.0f}M parameters in {len(master)} tensors ({len(fp4)} FP4), "
+          f"{len(buckets)} bucket(s), {engine.ops.__name__}, {where}")
+    print("| part | ms | torch ops |\n|---|---:|---:|")
+    for name, fn in parts.items():
+        ms = timed_ms(fn, device, args.repeats)
+        print(f"| {name} | {ms:.2f} | {op_count(fn)} |")
+
+
+if __name__ == "__main__":
+    main()
