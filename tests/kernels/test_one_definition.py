@@ -13,7 +13,8 @@ import torch
 
 from trace_lightning import kernels
 from trace_lightning.guidance import FakeQuantHook
-from trace_lightning.quant import NVFP4, parse_format, quantize_weight, tensor_global_scale
+from trace_lightning.quant import NVFP4, parse_format, quantize_weight
+from trace_lightning.rollout.convert import fp4_checksum
 
 
 def _assert_same(a: NVFP4, b: NVFP4) -> None:
@@ -23,13 +24,18 @@ def _assert_same(a: NVFP4, b: NVFP4) -> None:
 
 @pytest.mark.parametrize("shape", [(3, 96, 64), (128, 256)])
 def test_trainer_weight_quantizer_equals_the_kernel(device: str, shape: tuple[int, ...]) -> None:
-    """The QAT hook's weight (per-matrix global scale, per expert when stacked) against the kernel given that
-    scale: what the engine would compute with if it quantized weights on the device."""
+    """The QAT hook's weight (per-matrix global scale, per expert when stacked) against the engine's weight
+    quantizer on the Triton backend (kernels.quantize_weight: the reference's global, one kernel launch), down to
+    the checksum the weight audit compares. One expert is all zeros and one row holds an outlier 2^12 times the
+    rest: the global floor and a block scale at E4M3's top."""
     w = (torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))) / 16).to(device)
+    w[..., 0, 5] = 256.0
+    if w.dim() > 2:
+        w[1] = 0.0
     trainer = quantize_weight(w, "nvfp4")
-    g = tensor_global_scale(w, dims=2)
-    kernel = kernels.quantize_nvfp4(w, g.reshape(*w.shape[:-2], 1, 1) if w.dim() > 2 else g)
+    kernel = kernels.quantize_weight(w, "nvfp4")
     _assert_same(trainer, kernel)
+    assert fp4_checksum(trainer) == fp4_checksum(kernel)
     hook_value = FakeQuantHook("nvfp4").weight(w, layer=0, name="w")
     assert torch.equal(hook_value, kernel.dequantize(w.dtype))
 

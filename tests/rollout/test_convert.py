@@ -115,7 +115,8 @@ def test_fp4_modules_hold_the_backends_layout_and_report_stored_order(tiled: boo
     def words(q, compute_dtype):  # noqa: ANN001, ANN202
         return WordNVFP4.from_stored(q, tiled)
 
-    ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepare_weight=words)
+    ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepare_weight=words,
+                                quantize_weight=sim.quantize_weight)
     gen = torch.Generator().manual_seed(6)
     w, x = torch.randn(32, 128, generator=gen), torch.randn(3, 128, generator=gen)
     fmt = parse_format("nvfp4")

@@ -17,6 +17,7 @@ from trace_lightning.kernels.quantize import (
     quantize_mxfp4,
     quantize_nvfp4,
     quantize_nvfp4_rows,
+    quantize_weight,
 )
 from trace_lightning.kernels.record import write_record_slot
 from trace_lightning.kernels.rope import rope
@@ -40,6 +41,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nvfp4",
     "quantize_nvfp4_rows",
+    "quantize_weight",
     "rms_norm",
     "rope",
     "route_topk",

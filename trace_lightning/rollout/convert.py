@@ -102,6 +102,7 @@ class FP4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
         self._linear = _bind(ops.fp4_linear, compute_dtype)
         self._prepare = ops.prepare_weight
+        self._quantize = ops.quantize_weight
         self.set_weight("weight", weight)
 
     def set_weight(self, key: str, w: Tensor) -> None:
@@ -142,13 +143,14 @@ class FP4Experts(nn.Module):
         self.config, self.layer, self.fmt, self.compute_dtype = config, layer, fmt, compute_dtype
         self._moe = _bind(ops.fp4_moe, compute_dtype)
         self._prepare = ops.prepare_weight
+        self._quantize = ops.quantize_weight
         self.q: dict[str, BlockFP4] = {}
         self.dense: dict[str, Tensor] = {}
         self.set_weight("w13", w13)
         self.set_weight("w2", w2)
 
     def set_weight(self, key: str, w: Tensor) -> None:
-        self.q[key] = quantize_weight(w.detach(), self.fmt)
+        self.q[key] = self._quantize(w.detach(), self.fmt)
         if not isinstance(self.q[key], NVFP4):
             self.dense[key] = self.q[key].dequantize(self.compute_dtype)
         else:

@@ -4,6 +4,7 @@ Same signatures as trace_lightning.kernels; pick one through trace_lightning.ops
 `*` (e.g. compute_dtype) exist only here: they model how production kernels' numerics differ from the trainer.
 """
 
+from trace_lightning.quant import quantize_weight  # the one weight quantizer (the kernels' twin launches it)
 from trace_lightning.sim._weights import prefers_value_tiles, prefers_word_layout, prepare_weight
 from trace_lightning.sim.kv import fp4_kv_attention, kv_append
 from trace_lightning.sim.linear import fp4_linear
@@ -33,6 +34,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nvfp4",
     "quantize_nvfp4_rows",
+    "quantize_weight",
     "rms_norm",
     "rope",
     "route_topk",
