@@ -1,9 +1,10 @@
 """The weight sync of an RL step, part by part: what `WeightSync` times as `time/sync_s`.
 
 The trainer's master weights (fp32, on the same device) go to a fresh FP4 engine through `Engine.update_weights`
-bucket by bucket, as in a fit; the parts are timed alone too: the finite check, the weight digests (the records'
-fingerprint) and the FP4 re-quantization of the quantized layers. Median wall ms over the repeats, the device
-synchronized around each, and the number of torch ops each part dispatches (launch-bound parts show it).
+bucket by bucket, as in a fit; the parts are timed alone too: the finite check with the weight digests (the records'
+fingerprint; one pass serves both) and the FP4 re-quantization of the quantized layers. Median wall ms over the
+repeats, the device synchronized around each, and the number of torch ops each part dispatches (launch-bound parts
+show it).
 
 Run: python tools/bench_sync.py --preset small-moe --device cuda      (CPU: --device cpu, slow but runs)
 """
@@ -19,7 +20,6 @@ from collections.abc import Callable, Mapping
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trace_lightning.guidance.record import tensor_digests
 from trace_lightning.lit.parallel import full_weight_buckets
 from trace_lightning.model import Transformer
 from trace_lightning.rollout import Engine, FP4Precision
@@ -87,8 +87,7 @@ def main() -> None:
 
     parts: Mapping[str, Callable[[], object]] = {
         "update_weights, every bucket (time/sync_s)": sync,
-        "  finite check (check_weights)": lambda: [check_weights(b, "sync") for b in buckets],
-        "  digests (tensor_digests)": lambda: [tensor_digests(b) for b in buckets],
+        "  finite check and digests (check_weights: digest_stats)": lambda: [check_weights(b, "s") for b in buckets],
         "  FP4 re-quantization (set_weight)": requantize,
     }
     params = sum(t.numel() for t in master.values())

@@ -307,19 +307,25 @@ def check_route_values(routes: Tensor, n_experts: int | None = None) -> None:
         raise ValueError(f"duplicate expert ids {ids[layer, pos].tolist()} at layer {layer} position {pos}")
 
 
-def tensor_digests(named: Mapping[str, Tensor]) -> dict[str, str]:
-    """{name: short digest} from three float64 reductions per tensor (sum, sum of |x|, sum of every 7th
-    element), taken with one host sync: cheap enough for every weight sync, and two checkpoints of the same
-    shape differ in it. Rounded to 7 significant digits, so a different reduction order (thread count) on the
-    rollout side does not change it."""
+def digest_stats(named: Mapping[str, Tensor]) -> Tensor:
+    """[n, 3] float64 on the host: per tensor its sum, sum of |x| and sum of every 7th element (float64 reductions),
+    with one host sync. Non-finite values show as a non-finite sum of |x| (float64 sums of finite weights cannot
+    overflow): check_weights reads that instead of a pass of its own."""
     if not named:
-        return {}
+        return torch.zeros(0, 3, dtype=torch.float64)
     stats = []
     for t in named.values():
         flat = t.detach().reshape(-1)
         stats.append(torch.stack([flat.sum(dtype=torch.float64), flat.abs().sum(dtype=torch.float64),
                                   flat[::7].sum(dtype=torch.float64)]))
-    values = torch.stack([s.to(stats[0].device) for s in stats]).cpu().tolist()  # the one sync (per weight bucket)
+    return torch.stack([s.to(stats[0].device) for s in stats]).cpu()  # the one sync (per weight bucket)
+
+
+def tensor_digests(named: Mapping[str, Tensor], stats: Tensor | None = None) -> dict[str, str]:
+    """{name: short digest} from digest_stats (given, or taken here): cheap enough for every weight sync, and two
+    checkpoints of the same shape differ in it. Rounded to 7 significant digits, so a different reduction order
+    (device, thread count) on the rollout side does not change it."""
+    values = (digest_stats(named) if stats is None else stats).tolist()
     return {name: f"{tuple(t.shape)}:" + ",".join(f"{v:.6e}" for v in row)
             for (name, t), row in zip(named.items(), values, strict=True)}
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from trace_lightning.guidance.layout import RecordLayout, site_rows
-from trace_lightning.guidance.record import tensor_digests, weights_fingerprint
+from trace_lightning.guidance.record import digest_stats, tensor_digests, weights_fingerprint
 from trace_lightning.model.model import Attention, ModelOutput, RMSNorm, Router
 from trace_lightning.ops import backend_for, is_triton
 from trace_lightning.rollout import memory
@@ -78,8 +78,8 @@ class Engine:
             raise ValueError(f"kernel_options configure the Triton kernels; this engine runs {self.ops.__name__}")
         self.kernel_options = kernel_options  # how the Triton kernels launch (autotune, shapes, PDL); None: defaults
         self.policy_version = 0
-        check_weights(model.state_dict(), "Engine")
-        self._digests = tensor_digests(model.state_dict())  # master weights, before any FP4 conversion or cast
+        master = model.state_dict()
+        self._digests = tensor_digests(master, check_weights(master, "Engine"))  # before any FP4 conversion or cast
         model.eval().requires_grad_(False)
         self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
         with torch.no_grad():
@@ -369,8 +369,7 @@ class Engine:
                              f"{self.policy_version} (versions never go backwards)")
         for name, t in named_tensors.items():
             self._check_update(name, t)
-        check_weights(named_tensors, "update_weights")
-        self._digests.update(tensor_digests(named_tensors))
+        self._digests.update(tensor_digests(named_tensors, check_weights(named_tensors, "update_weights")))
         for name, t in named_tensors.items():
             if name in self._fp4_weights:
                 module, key = self._fp4_weights[name]
@@ -413,18 +412,20 @@ class Engine:
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def check_weights(named: Mapping[str, Tensor], where: str) -> None:
+def check_weights(named: Mapping[str, Tensor], where: str) -> Tensor:
     """ValueError naming the first weight that is not a float tensor or holds NaN or inf: such weights would
-    sample token 0 with NaN logprobs, or (NaN in k_proj) be zeroed by attention into finite garbage.
-    One host sync for all tensors; the tensor at fault is searched for only when something is wrong."""
+    sample token 0 with NaN logprobs, or (NaN in k_proj) be zeroed by attention into finite garbage. Returns the
+    weights' digest_stats, whose sums of |x| it reads (one host sync for all tensors; the tensor at fault is
+    counted only when something is wrong)."""
     for name, t in named.items():
         if t.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"{where}: weight {name!r} has dtype {t.dtype}; expected one of "
                              f"{', '.join(str(d) for d in WEIGHT_DTYPES)}")
-    finite = [torch.isfinite(t).all() for t in named.values()]
-    if not finite or bool(torch.stack([f.to(finite[0].device) for f in finite]).all()):
-        return
-    name, t = next((n, t) for (n, t), ok in zip(named.items(), finite, strict=True) if not bool(ok))
+    stats = digest_stats(named)
+    finite = torch.isfinite(stats[:, 1])
+    if bool(finite.all()):
+        return stats
+    name, t = next((n, t) for (n, t), ok in zip(named.items(), finite.tolist(), strict=True) if not ok)
     raise ValueError(f"{where}: weight {name!r} holds {int((~torch.isfinite(t)).sum())} non-finite (NaN or inf) "
                      "values")
 
