@@ -80,6 +80,7 @@ class Engine:
         self.policy_version = 0
         master = model.state_dict()
         self._digests = tensor_digests(master, check_weights(master, "Engine"))  # before any FP4 conversion or cast
+        self._shapes = {name: tuple(t.shape) for name, t in master.items()}  # what update_weights accepts
         model.eval().requires_grad_(False)
         self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
         with torch.no_grad():
@@ -379,12 +380,10 @@ class Engine:
         self.policy_version = int(version)
 
     def _check_update(self, name: str, t: Tensor) -> None:
-        if name in self._fp4_weights:
-            module, key = self._fp4_weights[name]
-            shape = tuple(module.quantized()[key].shape)
-        elif name in self._dense:
-            shape = tuple(self._dense[name].shape)
-        else:
+        """The master shape from construction: reading it off an FP4 module would convert its weight from the
+        kernels' layout back to stored order (~55 ops a tensor, a third of a sync on the GPU)."""
+        shape = self._shapes.get(name) if name in self._fp4_weights or name in self._dense else None
+        if shape is None:
             raise ValueError(f"update_weights: unknown tensor {name!r}")
         if not isinstance(t, Tensor):
             raise ValueError(f"update_weights: {name!r} is a {type(t).__name__}, not a tensor")
