@@ -5,7 +5,8 @@
 #      breakdown, rollout tokens/s inside the fit, sync time, 0 mismatching weight bytes, guided agreement;
 #   3. the standalone engine at the fit's shape (small-moe, 64 x 8 rollouts, 128 new tokens, parity records), the
 #      figure the fit's rollout tokens/s is compared with;
-#   4. the fit's TensorBoard scalars as a table (tools/tb_summary.py).
+#   4. the fit's TensorBoard scalars as a table (tools/tb_summary.py), and the weight sync part by part
+#      (tools/bench_sync.py).
 # The GPU image lacks jsonargparse, omegaconf and reasoning-gym (and its needs): they travel as wheels in .whl
 # (see .whl/README in the closing notes; `run(..., carry=[".whl"])`).
 # Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench]   (default 20 RL steps after 20 warm-start steps)
@@ -24,6 +25,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
     tests/kernels/test_one_definition.py tests/kernels/test_engine_backends.py tests/kernels/test_record_slot.py \
     tests/rollout/test_decode_graph.py tests/rollout/test_device_record.py tests/rollout/test_continuous.py \
+    tests/rollout/test_convert.py \
     2>&1 | tee "$OUT/pytest.log" | tail -6
 fi
 if [ "$PART" = all ] || [ "$PART" = fit ]; then
@@ -42,4 +44,6 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
   echo "## 3. the standalone engine at the fit's shape"
   timeout 150 python3 tools/bench_engine.py --preset small-moe --device cuda --batch 512 --prompt-len 24 \
     --new-tokens 128 --repeats 2 2>&1 | tee "$OUT/bench_engine.log" | grep "^|\|Error\|error"
+  echo "## 4. the weight sync, part by part (small-moe: the fit's time/sync_s)"
+  timeout 60 python3 tools/bench_sync.py --preset small-moe 2>&1 | tee "$OUT/bench_sync.log" | grep "^|\|Error"
 fi
