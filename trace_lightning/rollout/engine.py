@@ -139,7 +139,7 @@ class Engine:
         tokens[:, 0], logprobs[:, 0] = tok, lp
         state = DecodeState(tokens, logprobs, torch.isin(tok, stop) | (max_new_t <= 1), lens_t, last_pos, max_new_t,
                             stop)
-        prefill_s = time.perf_counter() - start
+        prefill_s = _device_seconds_since(start, dev)
         loop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder), draw, state, cache,
                           self.sync_every, self.cuda_graph and dev.type == "cuda")
         recorder.step, loop.on_check = state.step, recorder.flush
@@ -174,7 +174,7 @@ class Engine:
             logits = self._prefill_rows([prompts[q] for q in seqs], slot_ids, cache, fresh, hook, recorder)
             recorder.flush()
             recorder.step = state.step
-            prefill_s += time.perf_counter() - start
+            prefill_s += _device_seconds_since(start, dev)
             return logits
 
         def logits(tokens: Tensor, positions: Tensor) -> Tensor:
@@ -427,6 +427,14 @@ def check_weights(named: Mapping[str, Tensor], where: str) -> Tensor:
     name, t = next((n, t) for (n, t), ok in zip(named.items(), finite.tolist(), strict=True) if not ok)
     raise ValueError(f"{where}: weight {name!r} holds {int((~torch.isfinite(t)).sum())} non-finite (NaN or inf) "
                      "values")
+
+
+def _device_seconds_since(start: float, device: torch.device) -> float:
+    """Seconds since `start` once the device has run what was queued: `stats["prefill_s"]` is the prefill's own
+    time, not its launch time with the rest charged to the decode loop's first host check (one sync a prefill)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def _slot_count(max_batch: object, n: int) -> int:
