@@ -39,6 +39,9 @@ if [ "$PART" = all ] || [ "$PART" = fit ]; then
   RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
   [ -n "$RUN" ] && python3 tools/tb_summary.py "$RUN" --match time/ rollout/ train/tokens memory/ agreement/ \
     quant/code quant/value mismatch/k3 reward/mean guidance/ eval/ sync | tee "$OUT/fit_scalars.md"
+  echo "## the BF16 reference's mismatch (a bf16 rollout against the same training forward)"
+  [ -d "$RUN/bf16_reference" ] && python3 tools/tb_summary.py "$RUN/bf16_reference" --match mismatch/k3 \
+    | tee "$OUT/fit_bf16_reference.md"
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
   echo "## 3. the standalone engine at the fit's shape"
