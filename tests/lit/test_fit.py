@@ -98,7 +98,8 @@ def test_short_fit_logs_finite_mismatch_and_agreement_metrics(tmp_path: Path) ->
     module, recorder, _ = _fit(tmp_path, max_steps=5)
     assert sorted(recorder.steps) == [2, 3, 4]
     for key in (*MISMATCH_KEYS, "reward/mean", "train/loss", "guidance/bytes_per_token", "moe/route_agreement",
-                "agreement/own_codes", "agreement/used_values", "rollout/tokens_per_s", "train/sft_loss"):
+                "agreement/own_codes", "agreement/used_values", "rollout/tokens_per_s", "train/sft_loss",
+                "rollout/prefill_s", "rollout/graph_capture_s"):
         assert key in recorder.names, key
     for step in recorder.steps.values():
         assert all(math.isfinite(v) for v in step.values())

@@ -65,7 +65,7 @@ def test_replayed_steps_over_the_full_window_equal_the_eager_loop(model: Transfo
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     eager = Engine(copy.deepcopy(base_model), FP4Precision(compute_dtype="fp32"), backend="sim", cuda_graph=False)
     want = eager.generate(PROMPTS, PARAMS, capture=CaptureSpec())
-    assert want.stats["graph_steps"] == 0
+    assert want.stats["graph_steps"] == 0 and want.stats["capture_s"] == 0.0
     emulate_graphs(monkeypatch)
     got = Engine(model, FP4Precision(compute_dtype="fp32"), backend="sim", cuda_graph=False).generate(
         PROMPTS, PARAMS, capture=CaptureSpec())
@@ -92,6 +92,7 @@ def test_cuda_graph_decode_equals_eager_decode(base_model: Transformer, precisio
     eager = Engine(copy.deepcopy(model), precision, cuda_graph=False).generate(PROMPTS, PARAMS, capture=capture)
     graph = Engine(copy.deepcopy(model), precision, cuda_graph=True).generate(PROMPTS, PARAMS, capture=capture)
     assert graph.stats["graph_steps"] > 0 and eager.stats["graph_steps"] == 0
+    assert graph.stats["capture_s"] > 0.0 and eager.stats["capture_s"] == 0.0
     assert_same_rollout(graph, eager)  # the CPU's 4-ulp logprob allowance: not yet measured on a GPU
 
 

@@ -146,7 +146,9 @@ class RolloutWorker(L.LightningModule):
         batch = self._align(prompts, out, rewards, g)
         n_new = sum(len(r) for r in out.responses)
         batch.rollout_stats = {"rollout/tokens_per_s": n_new / max(elapsed, 1e-9), "time/rollout_s": elapsed,
-                               "rollout/decode_steps": out.stats["decode_steps"]}
+                               "rollout/decode_steps": out.stats["decode_steps"],
+                               "rollout/prefill_s": out.stats["prefill_s"],
+                               "rollout/graph_capture_s": out.stats["capture_s"]}
         if self.rollout_cfg.max_batch is not None:
             batch.rollout_stats["rollout/refills"] = out.stats["refills"]
         batch.samples = [

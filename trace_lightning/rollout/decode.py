@@ -10,6 +10,7 @@ failure (an op that syncs with the host, say) falls back to the eager loop, with
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class DecodeLoop:
         self.sync_every, self.use_graph = sync_every, use_graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_steps = 0
+        self.capture_s = 0.0
+        """Wall seconds spent capturing the graph (once per generate call; the fit's rollouts pay it every step)."""
         self.on_check: Callable[[], None] = lambda: None
         """Called at every host check, before the done flags are read (the recorder flushes its ring there)."""
 
@@ -90,6 +93,7 @@ class DecodeLoop:
         """Capture one step; the graph attends over the whole cache window (the mask hides the unwritten)."""
         self.use_graph = False  # one try per generate call
         self.cache.visible = self.cache.max_len
+        start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
@@ -99,5 +103,7 @@ class DecodeLoop:
             warnings.warn(f"decode step not captured as a CUDA graph ({type(err).__name__}: {err}); running eagerly",
                           RuntimeWarning, stacklevel=3)
             return
+        finally:
+            self.capture_s += time.perf_counter() - start
         self.graph = graph
 

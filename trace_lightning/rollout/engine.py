@@ -149,7 +149,7 @@ class Engine:
         out = self._collect(prompts, max_new, tokens, logprobs, params, recorder, capture)
         out.stats = {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
                      "decode_steps": float(steps), "new_tokens": float(sum(len(r) for r in out.responses)),
-                     "graph_steps": float(loop.graph_steps), "refills": 0.0}
+                     "graph_steps": float(loop.graph_steps), "capture_s": loop.capture_s, "refills": 0.0}
         return out
 
     def _generate_continuous(self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
@@ -193,7 +193,7 @@ class Engine:
         out = self._collect(prompts, max_new, state.tokens, state.logprobs, params, recorder, capture)
         out.stats = {"prefill_s": prefill_s, "decode_s": elapsed - prefill_s, "decode_steps": float(steps),
                      "new_tokens": float(sum(len(r) for r in out.responses)), "graph_steps": float(loop.graph_steps),
-                     "refills": float(loop.refills)}
+                     "capture_s": loop.capture_s, "refills": float(loop.refills)}
         return out
 
     def _ring(self, capture: CaptureSpec | None, prompt_len: int) -> int:
