@@ -56,12 +56,18 @@ class Engine:
 
     ``prefill_dense_from``: forwards of at least this many tokens (large prefills) run dense GEMMs on FP4 weights
     dequantized for the call rather than the FP4 kernels (rollout/convert.py); None, the default until measured on
-    the GPU, keeps the FP4 kernels everywhere."""
+    the GPU, keeps the FP4 kernels everywhere.
+
+    ``prefill_chunk``: prompts longer than this many positions prefill in forwards of that many positions each,
+    every chunk attending to the cache the ones before it wrote, so the prefill's activations scale with batch x
+    chunk, not batch x prompt (its workspace is what a large batch's peak memory exceeds the plan by); the
+    sequences come out as an unchunked prefill gives them (tests/rollout/test_prefill_chunks.py). None: one
+    forward."""
 
     def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
                  sync_every: int = 8, fused_attention: bool | None = None, fused_norms: bool | None = None,
                  cuda_graph: bool = True, kernel_options: KernelOptions | None = None,
-                 prefill_dense_from: int | None = None) -> None:
+                 prefill_dense_from: int | None = None, prefill_chunk: int | None = None) -> None:
         self.compute_dtype, self.fp4 = resolve_precision(precision)
         self.precision = precision
         self.config = model.config
@@ -103,6 +109,9 @@ class Engine:
             raise ValueError(f"prefill_dense_from must be None or an integer >= 1, got {prefill_dense_from!r}")
         for module, _ in self._fp4_weights.values():  # forwards of this many tokens (prefills) run dense GEMMs
             module.dense_from = prefill_dense_from
+        if prefill_chunk is not None and (not _is_integer(prefill_chunk) or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
 
     # ---- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -222,9 +231,18 @@ class Engine:
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
         positions = torch.arange(P, device=self.device).expand(B, P)
-        cache.visible = P
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        return self._forward(ids, positions, cache, hook, recorder, logits_at=last)[:, 0]  # (B, V)
+        chunk = min(P, self.prefill_chunk or P)
+        logits: Tensor | None = None
+        for a in range(0, P, chunk):  # one forward unless prefill_chunk < P
+            b = min(P, a + chunk)
+            cache.visible = b
+            out = self._forward(ids[:, a:b], positions[:, a:b], cache, hook, recorder,
+                                logits_at=(last - a).clamp(0, b - a - 1))[:, 0]  # (B, V)
+            ends_here = ((last >= a) & (last < b))[:, None]  # rows whose last prompt token is in this chunk
+            logits = out if logits is None else torch.where(ends_here, out, logits)
+        assert logits is not None
+        return logits
 
     def decode_one_token(self, tokens: Tensor, positions: Tensor, cache: KVCache, hook: FP4ActivationHook | None,
                          recorder: Recorder) -> Tensor:
