@@ -43,12 +43,13 @@ class Seen(L.Callback):
 
 
 def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | None = None,
-         max_batch: int | None = None, on_host: bool = False) -> Seen:
+         max_batch: int | None = None, on_host: bool = False, prefill_chunk: int | None = None) -> Seen:
     torch.manual_seed(0)
     module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2, sites=sites,
                                             records_on_host=on_host),
                           rollout=RolloutConfig(prompts_per_step=4, group_size=2, max_new_tokens=3,
-                                                max_batch=max_batch), warmup_steps=1, cpu_threads=1)
+                                                max_batch=max_batch, prefill_chunk=prefill_chunk),
+                          warmup_steps=1, cpu_threads=1)
     seen = Seen()
     trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -141,3 +142,15 @@ def test_records_are_checked_against_the_weights_last_synced_without_gathering_t
     monkeypatch.setattr(ModelIdentity, "of", staticmethod(counted))
     seen = _fit(tmp_path, "device", Compare())
     assert len(seen.records) == 3 and calls == []
+
+
+def test_chunked_prefill_trains_as_one_forward(tmp_path: Path) -> None:
+    """rollout.prefill_chunk reaches the engine, and a fit's records and losses are those of one-forward prefills
+    (tests/rollout/test_prefill_chunks.py has the sequences)."""
+    whole, chunked = _fit(tmp_path / "whole", "device"), _fit(tmp_path / "chunked", "device", prefill_chunk=2)
+    torch.testing.assert_close(torch.tensor(chunked.losses), torch.tensor(whole.losses), rtol=1e-5, atol=1e-7)
+    for ours, theirs in zip(chunked.records, whole.records, strict=True):
+        assert torch.equal(ours.data[ours.valid], theirs.data[theirs.valid])
+    assert PolicyModule(rollout=RolloutConfig(prefill_chunk=2)).worker.engine.prefill_chunk == 2
+    with pytest.raises(ValueError, match="rollout.prefill_chunk must be an integer >= 1"):
+        RolloutConfig(prefill_chunk=0)

@@ -116,12 +116,17 @@ class RolloutConfig:
     max_batch: int | None = None
     """Decode at most this many sequences at once, refilling a slot with the next rollout as soon as its
     sequence ends (continuous batching); None: all prompts_per_step x group_size rollouts as one batch."""
+    prefill_chunk: int | None = None
+    """Prefill prompts this many positions a forward (bounds the prefill's memory for long prompts; the sequences
+    are the same); None: each prefill in one forward."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens"):
             check_int(f"rollout.{name}", getattr(self, name), 1)
         if self.max_batch is not None:
             check_int("rollout.max_batch", self.max_batch, 1)
+        if self.prefill_chunk is not None:
+            check_int("rollout.prefill_chunk", self.prefill_chunk, 1)
         check_real("rollout.temperature", self.temperature, 0.0)
         check_int("rollout.top_k", self.top_k, 0)
         check_real("rollout.top_p", self.top_p, 0.0, low_open=True, high=1.0)
