@@ -89,10 +89,12 @@ def model_factory(preset: str, device: str, **overrides: object) -> Callable[[],
 
 def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, batch: int, prompt_len: int,
           params: SamplingParams, repeats: int, capture: CaptureSpec | None, backend: str = "auto",
-          prefill_dense_from: int | None = None, reserve_gib: float = 8.0) -> dict[str, float]:
+          prefill_dense_from: int | None = None, reserve_gib: float = 8.0,
+          prefill_chunk: int | None = None) -> dict[str, float]:
     """Best-of-repeats tokens/s of the whole call, decode-loop tokens/s and prefill ms, at `batch` (0: the engine's
     largest), with the device's peak memory against the engine's memory plan."""
-    engine = Engine(make_model(), precision, backend=backend, prefill_dense_from=prefill_dense_from)
+    engine = Engine(make_model(), precision, backend=backend, prefill_dense_from=prefill_dense_from,
+                    prefill_chunk=prefill_chunk)
     device = engine.device
     max_len = prompt_len + int(params.max_new_tokens)  # type: ignore[arg-type]
     batch = batch or largest_batch(engine, max_len, capture, reserve_gib)
@@ -194,6 +196,9 @@ def main() -> None:
     parser.add_argument("--prefill-dense-from", type=int, default=None, metavar="TOKENS",
                         help="FP4 rows: forwards of at least TOKENS tokens (prefills) run dense GEMMs on dequantized "
                              "weights (Engine(prefill_dense_from=...)); compare prefill ms with and without")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="POSITIONS",
+                        help="prefill POSITIONS prompt positions a forward (Engine(prefill_chunk=...)): compare peak "
+                             "memory against the plan with and without")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -220,7 +225,7 @@ def main() -> None:
             n = config.n_layers
             capture = dataclasses.replace(capture, layers=set(range(max(0, n - args.record_layers), n)))
         r = bench(make_model, PRECISIONS[name], args.batch, args.prompt_len, params, args.repeats, capture,
-                  args.backend, dense_from, args.reserve_gib)
+                  args.backend, dense_from, args.reserve_gib, args.prefill_chunk)
         print(f"| {name} | {r['batch']:.0f} | {r['tok/s']:.0f} | {r['decode tok/s']:.0f} | {r['prefill ms']:.1f} | "
               f"{r['peak GiB']:.2f} | {r['plan GiB']:.2f} |")
 

@@ -4,7 +4,8 @@
 #   batches   bf16 / FP4 / FP4 + parity records (every layer) / FP4 + full records, prompt 512 + 256 new tokens, at
 #             batch 64 and 256: tokens/s of the whole call, prefill ms, peak memory against the engine's plan
 #   prefill   FP4 prefill through the FP4 kernels against dense GEMMs on dequantized weights (prefill_dense_from),
-#             batch 256 x 512 prompt tokens, beside BF16
+#             batch 256 x 512 prompt tokens, beside BF16; then in chunks of 128 positions (prefill_chunk): peak
+#             memory against the plan
 #   long      16K new tokens at each engine's own largest batch (Engine.max_batch), parity records of the 4 deepest
 #             layers streamed to the host (every layer's would not fit the host's memory)
 #   tail      static against continuous batching on a long-tailed length mix (64 slots)
@@ -24,7 +25,10 @@ case "$PART" in
     timeout 250 $B --batch 256 --prompt-len 512 --new-tokens 2 --precision bf16 --precision "nvfp4 W+A+KV (bf16 compute)" \
       2>&1 | tee "$OUT/prefill_kernels.log" | grep "^|\|Error"
     timeout 250 $B --batch 256 --prompt-len 512 --new-tokens 2 --precision "nvfp4 W+A+KV (bf16 compute)" \
-      --prefill-dense-from 4096 2>&1 | tee "$OUT/prefill_dense.log" | grep "^|\|Error" ;;
+      --prefill-dense-from 4096 2>&1 | tee "$OUT/prefill_dense.log" | grep "^|\|Error"
+    timeout 250 $B --batch 256 --prompt-len 512 --new-tokens 2 --precision "nvfp4 W+A+KV (bf16 compute)" \
+      --precision "nvfp4 W+A+KV bf16 + parity records" --prefill-chunk 128 2>&1 | tee "$OUT/prefill_chunked.log" \
+      | grep "^|\|Error" ;;
   long)
     timeout 540 $B --batch 0 --prompt-len 512 --new-tokens 16384 --repeats 1 --records-to-host --record-layers 4 \
       --precision bf16 --precision "nvfp4 W+A+KV (bf16 compute)" --precision "nvfp4 W+A+KV bf16 + parity records" \
