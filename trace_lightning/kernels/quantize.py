@@ -25,7 +25,7 @@ from trace_lightning.kernels._fp4 import (
     pack_codes,
     sign_eight,
 )
-from trace_lightning.quant import MXFP4, NVFP4, BlockFP4, FP4Format, parse_format, tensor_global_scale
+from trace_lightning.quant import MXFP4, NVFP4, BlockFP4, FP4Format
 from trace_lightning.quant import quantize_weight as _reference_quantize_weight
 from trace_lightning.quant.mxfp4 import check_mx_mode
 from trace_lightning.quant.nvfp4 import _check_global_scale
@@ -333,16 +333,11 @@ def quantize_nvfp4(x: Tensor, global_scale: Tensor | float | None = None) -> NVF
 
 
 def quantize_weight(w: Tensor, fmt: FP4Format | str) -> BlockFP4:
-    """trace_lightning.quant.quantize_weight with the codes and block scales from one kernel launch: the per-matrix
-    (per-expert) global scale is the reference's own reduction, and the kernel given that scale is the reference
-    byte for byte (tests/kernels/test_one_definition.py). A weight sync re-quantizes every FP4 weight each RL step;
-    the reference's ~65 torch ops a tensor made small-moe's sync launch-bound (65 ms on an H200). MXFP4 weights (the
-    engine keeps them dense) take the reference."""
-    fmt = parse_format(fmt).for_weights()
-    if fmt.kind != "nvfp4":
-        return _reference_quantize_weight(w, fmt)
-    g = tensor_global_scale(w, dims=min(2, w.dim()))
-    return quantize_nvfp4(w, g.unsqueeze(-1) if w.dim() >= 3 else g)
+    """trace_lightning.quant.quantize_weight with the codes and block scales from one kernel launch (its global
+    scale rule is the reference's own; tests/kernels/test_one_definition.py: byte for byte). A weight sync
+    re-quantizes every FP4 weight each RL step; the reference's ~65 torch ops a tensor made small-moe's sync
+    launch-bound (65 ms on an H200)."""
+    return _reference_quantize_weight(w, fmt, nvfp4=quantize_nvfp4)
 
 
 def quantize_nvfp4_rows(x: Tensor) -> NVFP4:

@@ -6,16 +6,21 @@ row, so a token's quantization never depends on what else is in the batch (DESIG
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from trace_lightning.quant.blocks import BlockFP4
 from trace_lightning.quant.mxfp4 import MXFP4_BLOCK, check_mx_mode, quantize_mxfp4
-from trace_lightning.quant.nvfp4 import NVFP4_BLOCK, quantize_nvfp4, row_global_scale, tensor_global_scale
+from trace_lightning.quant.nvfp4 import NVFP4, NVFP4_BLOCK, quantize_nvfp4, row_global_scale, tensor_global_scale
 
 FORMAT_KINDS = ("nvfp4", "mxfp4")
 GLOBAL_SCALES = ("row", "matrix", "none")
+
+
+NVFP4Quantizer = Callable[[Tensor, Tensor | None], NVFP4]
+"""(x, global scale or None) -> NVFP4: the reference's quantize_nvfp4, or a backend's byte-equal twin."""
 
 
 @dataclass(frozen=True)
@@ -43,23 +48,26 @@ class FP4Format:
     def for_weights(self) -> FP4Format:
         return FP4Format(self.kind, "matrix", self.mx_mode)
 
-    def quantize(self, x: Tensor) -> BlockFP4:
+    def quantize(self, x: Tensor, nvfp4: NVFP4Quantizer = quantize_nvfp4) -> BlockFP4:
+        """x in this format; `nvfp4` quantizes given the global scale chosen here (the Triton backend passes its
+        kernel, byte-equal to the reference)."""
         if self.kind == "mxfp4":
             return quantize_mxfp4(x, self.mx_mode)
         if self.global_scale == "none":
-            return quantize_nvfp4(x)
+            return nvfp4(x, None)
         if self.global_scale == "row":
-            return quantize_nvfp4(x, row_global_scale(x))
+            return nvfp4(x, row_global_scale(x))
         # One scale per matrix, [..., 1, 1] for stacked experts [E, out, in] too.
         g = tensor_global_scale(x, dims=min(2, x.dim()))
-        return quantize_nvfp4(x, g.unsqueeze(-1) if x.dim() >= 3 else g)
+        return nvfp4(x, g.unsqueeze(-1) if x.dim() >= 3 else g)
 
 
-def quantize_weight(w: Tensor, fmt: FP4Format | str) -> BlockFP4:
+def quantize_weight(w: Tensor, fmt: FP4Format | str, nvfp4: NVFP4Quantizer = quantize_nvfp4) -> BlockFP4:
     """FP4 of a weight [N, K] or stacked experts [E, N, K] exactly as given: one NVFP4 global scale per matrix (per
-    expert). The one weight quantizer: the trainer's QAT hook and the rollout's converter both call it, so the
-    weight codes agree by construction on any device, and the sync audit compares its bytes on both sides."""
-    return parse_format(fmt).for_weights().quantize(w)
+    expert). The one weight quantizer: the trainer's QAT hook and the rollout's converter both call it (the Triton
+    engine with its own `nvfp4` kernel, byte-equal by test), so the weight codes agree on any device, and the sync
+    audit compares its bytes on both sides."""
+    return parse_format(fmt).for_weights().quantize(w, nvfp4)
 
 
 def parse_format(fmt: FP4Format | str) -> FP4Format:
