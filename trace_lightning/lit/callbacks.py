@@ -15,10 +15,10 @@ from trace_lightning.guidance import RecordExchange, collate_records, layer_byte
 from trace_lightning.guidance.record import ModelIdentity, format_name, tensor_digests, weights_fingerprint
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.tensorboard import SITE_ORDER, agreement_heatmap, log_measured, write_layout
-from trace_lightning.lit.timing import device_time
 from trace_lightning.quant import parse_format
 from trace_lightning.rl import MismatchMetric, mismatch_metrics, token_logprobs
 from trace_lightning.rollout import check_weight_checksums, fp4_weight_checksums
+from trace_lightning.timing import device_time
 
 
 class WeightSyncError(RuntimeError):

@@ -26,7 +26,6 @@ from trace_lightning.lit.batch import DemoBatch, TrainBatch
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
 from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale
 from trace_lightning.lit.tensorboard import log_measured
-from trace_lightning.lit.timing import device_time, peak_memory_gib
 from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
 from trace_lightning.model import CharTokenizer, MoEConfig, QuantHook, Transformer, load_hf, load_tokenizer
@@ -39,6 +38,7 @@ from trace_lightning.rl import (
     policy_loss,
     token_logprobs,
 )
+from trace_lightning.timing import device_time, peak_memory_gib
 
 
 def _as_config(cls: type, value: Any) -> Any:

@@ -46,6 +46,7 @@ from trace_lightning.rollout.decode import DecodeLoop, DecodeState
 from trace_lightning.rollout.precision import FP4Precision, resolve_precision
 from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
 from trace_lightning.rollout.slots import SlotLoop, SlotState
+from trace_lightning.timing import device_time
 
 if TYPE_CHECKING:
     from trace_lightning.kernels import KernelOptions
@@ -148,7 +149,7 @@ class Engine:
         tokens[:, 0], logprobs[:, 0] = tok, lp
         state = DecodeState(tokens, logprobs, torch.isin(tok, stop) | (max_new_t <= 1), lens_t, last_pos, max_new_t,
                             stop)
-        prefill_s = _device_seconds_since(start, dev)
+        prefill_s = device_time(dev) - start  # the prefill's device time, not its launch time
         loop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder), draw, state, cache,
                           self.sync_every, self.cuda_graph and dev.type == "cuda")
         recorder.step, loop.on_check = state.step, recorder.flush
@@ -183,7 +184,7 @@ class Engine:
             logits = self._prefill_rows([prompts[q] for q in seqs], slot_ids, cache, fresh, hook, recorder)
             recorder.flush()
             recorder.step = state.step
-            prefill_s += _device_seconds_since(start, dev)
+            prefill_s += device_time(dev) - start
             return logits
 
         def logits(tokens: Tensor, positions: Tensor) -> Tensor:
@@ -445,14 +446,6 @@ def check_weights(named: Mapping[str, Tensor], where: str) -> Tensor:
     name, t = next((n, t) for (n, t), ok in zip(named.items(), finite.tolist(), strict=True) if not ok)
     raise ValueError(f"{where}: weight {name!r} holds {int((~torch.isfinite(t)).sum())} non-finite (NaN or inf) "
                      "values")
-
-
-def _device_seconds_since(start: float, device: torch.device) -> float:
-    """Seconds since `start` once the device has run what was queued: `stats["prefill_s"]` is the prefill's own
-    time, not its launch time with the rest charged to the decode loop's first host check (one sync a prefill)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def _slot_count(max_batch: object, n: int) -> int:

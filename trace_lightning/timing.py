@@ -1,4 +1,4 @@
-"""Wall-clock timing of a step's phases that is honest on a GPU, and the peak memory they used.
+"""Wall-clock timing that is honest on a GPU (a fit step's phases, an engine's prefill), and the peak memory used.
 
 CUDA kernels run asynchronously: a phase timed by the host clock alone measures its launches. So each reading
 waits for the device first; on the CPU it is just the clock.
