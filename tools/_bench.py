@@ -117,3 +117,19 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, warmu
             if r >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def timed_s(fn: Callable[[], object], device: torch.device, runs: int = 3) -> float:
+    """Median wall seconds of fn (after one warm-up call), synchronizing the device around each call: for work
+    that is not one kernel (a whole generate call, a weight sync), where do_bench's L2 flush is beside the point."""
+    fn()
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -13,34 +13,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import torch
-from _bench import Report
+from _bench import Report, timed_s
 from torch import Tensor
 
 from trace_lightning.model import Transformer
 from trace_lightning.model.hf import save_hf
 from trace_lightning.rollout import Engine, FP4Precision, SamplingParams
-
-
-def timed_s(fn: Callable[[], object], device: torch.device, runs: int = 3) -> float:
-    """Median wall seconds of fn (after one warm-up call), synchronizing the device around each call."""
-    fn()
-    times = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def hf_generate(model, ids: Tensor, new: int, cache: str | None) -> Callable[[], object]:  # noqa: ANN001

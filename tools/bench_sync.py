@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
-import time
 from collections.abc import Callable, Mapping
 
 import torch
+from _bench import timed_s
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trace_lightning.lit.parallel import full_weight_buckets
@@ -36,21 +35,6 @@ class OpCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's API)
         self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
-
-
-def timed_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall ms of fn after one warm-up call, the device synchronized around each call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def op_count(fn: Callable[[], object]) -> int:
@@ -96,7 +80,7 @@ def main() -> None:
           f"{len(buckets)} bucket(s), {engine.ops.__name__}, {where}")
     print("| part | ms | torch ops |\n|---|---:|---:|")
     for name, fn in parts.items():
-        ms = timed_ms(fn, device, args.repeats)
+        ms = 1e3 * timed_s(fn, device, args.repeats)
         print(f"| {name} | {ms:.2f} | {op_count(fn)} |")
 
 
