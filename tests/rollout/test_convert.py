@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from trace_lightning.model import Transformer
+from trace_lightning.model import MoEConfig, Transformer
 from trace_lightning.quant import FP4Format, fake_quantize, parse_format, quantize_mxfp4
 from trace_lightning.rollout import (
     Engine,
@@ -128,3 +128,32 @@ def test_fp4_modules_hold_the_backends_layout_and_report_stored_order(tiled: boo
     assert torch.equal(held.quantized()["weight"].scale_bytes(), stored.scale_bytes())
     assert fp4_checksum(held.quantized()["weight"]) == fp4_checksum(stored)
     assert torch.equal(held(x), plain(x))
+
+
+def test_fp4_modules_requantize_through_the_backends_quantizer() -> None:
+    """Construction and every weight sync quantize through `ops.quantize_weight` (on Triton: one kernel launch a
+    tensor), never the reference's ~65 torch ops a tensor behind it: FP4Linear once did, for every attention
+    projection, and the Triton engine's sync paid the reference's cost for them."""
+    import types
+
+    from trace_lightning import sim
+
+    calls: list[tuple[int, ...]] = []
+
+    def counting(w: torch.Tensor, fmt: object) -> object:
+        calls.append(tuple(w.shape))
+        return sim.quantize_weight(w, fmt)
+
+    ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepare_weight=sim.prepare_weight,
+                                quantize_weight=counting)
+    gen = torch.Generator().manual_seed(7)
+    w, w13, w2 = torch.randn(32, 64, generator=gen), torch.randn(4, 64, 32, generator=gen), torch.randn(
+        4, 32, 32, generator=gen)
+    fmt = parse_format("nvfp4")
+    linear = FP4Linear(w, None, layer=0, name="wo", fmt=fmt, ops=ops, compute_dtype=torch.float32)
+    config = MoEConfig.from_name("debug-moe", dim=32, moe_intermediate=32, n_experts=4, top_k=2)
+    experts = FP4Experts(w13, w2, config=config, layer=0, fmt=fmt, ops=ops, compute_dtype=torch.float32)
+    assert calls == [(32, 64), (4, 64, 32), (4, 32, 32)]
+    linear.set_weight("weight", w * 2)
+    experts.set_weight("w2", w2 * 2)
+    assert calls[3:] == [(32, 64), (4, 32, 32)]

@@ -107,7 +107,7 @@ class FP4Linear(nn.Module):
 
     def set_weight(self, key: str, w: Tensor) -> None:
         """Re-quantize from a master weight [N, K] (held in the backend's fastest layout)."""
-        self.q = quantize_weight(w.detach(), self.fmt)
+        self.q = self._quantize(w.detach(), self.fmt)
         self.dense = None if isinstance(self.q, NVFP4) else self.q.dequantize(self.compute_dtype)
         if self.dense is None:
             self.q = self._prepare(self.q, self.compute_dtype)
