@@ -173,12 +173,15 @@ def test_backends_expose_the_same_ops() -> None:
     import inspect
 
     names = ("quantize_nvfp4", "quantize_nvfp4_rows", "fake_quantize_nvfp4_rows", "quantize_mxfp4", "pack_parity",
-             "fp4_linear", "fp4_moe", "kv_append", "fp4_kv_attention", "prepare_weight",
+             "fp4_linear", "fp4_moe", "kv_append", "fp4_kv_attention", "prepare_weight", "prepared_weight",
              "prefers_word_layout", "prefers_value_tiles", "write_record_slot")
+
+    def positional(fn: object) -> list[str]:  # a backend's own options (sim numerics, kernel layouts): keyword-only
+        params = inspect.signature(fn).parameters.values()
+        return [p.name for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+
     for name in names:
-        positional = [p for p in inspect.signature(getattr(sim, name)).parameters.values()
-                      if p.kind is not inspect.Parameter.KEYWORD_ONLY]  # sim-only numerics options are keyword-only
-        assert [p.name for p in positional] == list(inspect.signature(getattr(kernels, name)).parameters), name
+        assert positional(getattr(sim, name)) == positional(getattr(kernels, name)), name
 
 
 class LaunchSpy:

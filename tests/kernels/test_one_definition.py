@@ -40,6 +40,37 @@ def test_trainer_weight_quantizer_equals_the_kernel(device: str, shape: tuple[in
     assert torch.equal(hook_value, kernel.dequantize(w.dtype))
 
 
+@pytest.mark.parametrize(("shape", "tiled"), [((2, 64, 256), True), ((96, 128), True), ((40, 144), False)])
+def test_the_sync_writes_the_gemm_layout_as_the_trainer_quantizes(device: str, shape: tuple[int, ...],
+                                                                 tiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.prepared_weight (what a weight sync runs per FP4 weight where the GEMMs read the word layout: CUDA,
+    bf16) writes the word layout, and the tiles where the shape splits into them, in its quantizing launch: byte for
+    byte the trainer's quantize_weight permuted by the table form of quant.words, and back to the same checksum.
+    Off CUDA the kernels read stored order, so the word path is switched on here to run under the interpreter."""
+    from trace_lightning.kernels import layout
+    from trace_lightning.quant.words import WordNVFP4
+
+    monkeypatch.setattr(layout, "prefers_word_layout", lambda dtype, device, cache=False: dtype == torch.bfloat16)
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) / 16).to(device)
+    w[..., 3, 17] = 256.0
+    trainer = quantize_weight(w, "nvfp4")
+    held = kernels.prepared_weight(w, "nvfp4", torch.bfloat16)
+    assert isinstance(held, WordNVFP4) and held.tiled == tiled
+    want = WordNVFP4.from_stored(trainer, tiled)
+    assert torch.equal(held.packed, want.packed)
+    assert torch.equal(held.scales.view(torch.uint8), want.scales.view(torch.uint8))
+    assert torch.equal(held.global_scale, want.global_scale)
+    assert fp4_checksum(held.canonical()) == fp4_checksum(trainer)
+    plain = kernels.prepared_weight(w, "nvfp4", torch.float32)  # no fast decoder for fp32 operands: stored order
+    assert type(plain) is NVFP4
+    _assert_same(plain, trainer)
+
+
+def test_tiles_only_in_the_word_layout(device: str) -> None:
+    with pytest.raises(ValueError, match="word layout"):
+        kernels.quantize_nvfp4(torch.ones(32, 128, device=device), None, tiled=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_trainer_activation_fake_quant_equals_the_kernel(device: str, dtype: torch.dtype) -> None:
     """fp4_qat's activation site (FakeQuantHook: training's own row-global scales) against the engine's fused

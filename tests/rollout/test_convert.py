@@ -112,11 +112,10 @@ def test_fp4_modules_hold_the_backends_layout_and_report_stored_order(tiled: boo
     from trace_lightning import sim
     from trace_lightning.quant.words import WordNVFP4
 
-    def words(q, compute_dtype):  # noqa: ANN001, ANN202
-        return WordNVFP4.from_stored(q, tiled)
+    def words(w, fmt, compute_dtype):  # noqa: ANN001, ANN202
+        return WordNVFP4.from_stored(sim.quantize_weight(w, fmt), tiled)
 
-    ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepare_weight=words,
-                                quantize_weight=sim.quantize_weight)
+    ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepared_weight=words)
     gen = torch.Generator().manual_seed(6)
     w, x = torch.randn(32, 128, generator=gen), torch.randn(3, 128, generator=gen)
     fmt = parse_format("nvfp4")
@@ -131,29 +130,29 @@ def test_fp4_modules_hold_the_backends_layout_and_report_stored_order(tiled: boo
 
 
 def test_fp4_modules_requantize_through_the_backends_quantizer() -> None:
-    """Construction and every weight sync quantize through `ops.quantize_weight` (on Triton: one kernel launch a
-    tensor), never the reference's ~65 torch ops a tensor behind it: FP4Linear once did, for every attention
-    projection, and the Triton engine's sync paid the reference's cost for them."""
+    """Construction and every weight sync quantize through `ops.prepared_weight` (on Triton: one kernel launch a
+    tensor, layout included), never the reference's ~65 torch ops a tensor behind it: FP4Linear once did, for
+    every attention projection, and the Triton engine's sync paid the reference's cost for them."""
     import types
 
     from trace_lightning import sim
 
-    calls: list[tuple[int, ...]] = []
+    calls: list[tuple[tuple[int, ...], torch.dtype]] = []
 
-    def counting(w: torch.Tensor, fmt: object) -> object:
-        calls.append(tuple(w.shape))
-        return sim.quantize_weight(w, fmt)
+    def counting(w: torch.Tensor, fmt: object, compute_dtype: torch.dtype) -> object:
+        calls.append((tuple(w.shape), compute_dtype))
+        return sim.prepared_weight(w, fmt, compute_dtype)
 
-    ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepare_weight=sim.prepare_weight,
-                                quantize_weight=counting)
+    ops = types.SimpleNamespace(fp4_linear=sim.fp4_linear, fp4_moe=sim.fp4_moe, prepared_weight=counting)
     gen = torch.Generator().manual_seed(7)
     w, w13, w2 = torch.randn(32, 64, generator=gen), torch.randn(4, 64, 32, generator=gen), torch.randn(
         4, 32, 32, generator=gen)
     fmt = parse_format("nvfp4")
-    linear = FP4Linear(w, None, layer=0, name="wo", fmt=fmt, ops=ops, compute_dtype=torch.float32)
+    linear = FP4Linear(w, None, layer=0, name="wo", fmt=fmt, ops=ops, compute_dtype=torch.bfloat16)
     config = MoEConfig.from_name("debug-moe", dim=32, moe_intermediate=32, n_experts=4, top_k=2)
-    experts = FP4Experts(w13, w2, config=config, layer=0, fmt=fmt, ops=ops, compute_dtype=torch.float32)
-    assert calls == [(32, 64), (4, 64, 32), (4, 32, 32)]
+    experts = FP4Experts(w13, w2, config=config, layer=0, fmt=fmt, ops=ops, compute_dtype=torch.bfloat16)
+    bf16 = torch.bfloat16
+    assert calls == [((32, 64), bf16), ((4, 64, 32), bf16), ((4, 32, 32), bf16)]
     linear.set_weight("weight", w * 2)
     experts.set_weight("w2", w2 * 2)
-    assert calls[3:] == [(32, 64), (4, 32, 32)]
+    assert calls[3:] == [((32, 64), bf16), ((4, 32, 32), bf16)]

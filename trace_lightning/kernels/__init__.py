@@ -7,7 +7,7 @@ programmatic dependent launch) is a KernelOptions, set for a block of calls with
 
 from trace_lightning.kernels._common import AttentionLaunch, GemmLaunch, KernelOptions, QuantizeLaunch, kernel_options
 from trace_lightning.kernels.kv import fp4_kv_attention, kv_append
-from trace_lightning.kernels.layout import prefers_value_tiles, prefers_word_layout, prepare_weight
+from trace_lightning.kernels.layout import prefers_value_tiles, prefers_word_layout, prepare_weight, prepared_weight
 from trace_lightning.kernels.linear import fp4_linear
 from trace_lightning.kernels.moe import fp4_moe
 from trace_lightning.kernels.norm import rms_norm
@@ -38,6 +38,7 @@ __all__ = [
     "prefers_value_tiles",
     "prefers_word_layout",
     "prepare_weight",
+    "prepared_weight",
     "quantize_mxfp4",
     "quantize_nvfp4",
     "quantize_nvfp4_rows",

@@ -309,12 +309,19 @@ def tile_offsets(rows, cols, row_units, TILED: tl.constexpr, TILE_COLS: tl.const
     """Offsets of [rows, cols] in a matrix of row_units units a row: row-major, or (TILED) in tiles of _TILE_ROWS x
     TILE_COLS units, each contiguous and row-major (trace_lightning/quant/words.py). Tiles never straddle the
     matrices of a stack (their rows are a multiple of _TILE_ROWS), so rows may count across them."""
+    return tile_offset(rows[:, None], cols[None, :], row_units, TILED, TILE_COLS)
+
+
+@triton.jit
+def tile_offset(row, col, row_units, TILED: tl.constexpr, TILE_COLS: tl.constexpr):
+    """tile_offsets elementwise: the offset of (row, col), broadcast against each other (the row's part and the
+    column's part are each computed at their own shape, then added)."""
     if TILED:
         TILE: tl.constexpr = _TILE_ROWS * TILE_COLS
-        row_part = rows // _TILE_ROWS * (row_units // TILE_COLS * TILE) + rows % _TILE_ROWS * TILE_COLS
-        return row_part[:, None] + (cols // TILE_COLS * TILE + cols % TILE_COLS)[None, :]
+        row_part = row // _TILE_ROWS * (row_units // TILE_COLS * TILE) + row % _TILE_ROWS * TILE_COLS
+        return row_part + (col // TILE_COLS * TILE + col % TILE_COLS)
     else:
-        return rows[:, None] * row_units + cols[None, :]
+        return row * row_units + col
 
 
 @triton.jit
@@ -362,6 +369,20 @@ def to_word_layout(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
     even, odd = tl.split(b)
     b0, b2 = tl.split(even)
     b1, b3 = tl.split(odd)
+    return _word_from_bytes(b0, b1, b2, b3)
+
+
+@triton.jit
+def stored_words_to_word_layout(words):
+    """int32 words of 4 stored bytes (byte i at bits 8i, as the quantizers encode them) -> the same words in the
+    kernels' word layout (to_word_layout of their bytes)."""
+    u = words.to(tl.uint32, bitcast=True)
+    return _word_from_bytes(u & 0xFF, (u >> 8) & 0xFF, (u >> 16) & 0xFF, u >> 24).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _word_from_bytes(b0, b1, b2, b3):
+    """The word-layout uint32 of a word whose stored bytes are b0..b3 (uint32, 0..255 each)."""
     r3 = _byte_pair_bits(b3)
     return (_byte_pair_bits(b0) | _rotl(_byte_pair_bits(b1), 4) | _rotl(_byte_pair_bits(b2), 10)
             | _rotl(r3 & 0x00400040, 30) | _rotl(r3 & 0x81808180, 22))

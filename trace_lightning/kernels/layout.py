@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from trace_lightning.kernels._common import fast_dequant
-from trace_lightning.quant import NVFP4
+from trace_lightning.kernels.quantize import quantize_weight
+from trace_lightning.quant import NVFP4, BlockFP4, FP4Format, parse_format
 from trace_lightning.quant.words import WordNVFP4, from_word_layout, tileable
 
 
@@ -29,9 +31,25 @@ def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
     """The weight as the Triton GEMMs read it fastest: the word layout where the packed bf16x2 decoder runs
     (CUDA, bf16 compute, last dim divisible by 4 bytes), in tiles where its shape splits into them; q unchanged
     elsewhere."""
-    if type(q) is not NVFP4 or not prefers_word_layout(compute_dtype, q.packed.device) or q.packed.shape[-1] % 4:
+    words, tiled = _weight_layout(tuple(q.packed.shape), compute_dtype, q.packed.device)
+    if type(q) is not NVFP4 or not words:
         return q
-    return WordNVFP4.from_stored(q, tiled=tileable(q.packed))
+    return WordNVFP4.from_stored(q, tiled=tiled)
+
+
+def prepared_weight(w: Tensor, fmt: FP4Format | str, compute_dtype: torch.dtype) -> BlockFP4:
+    """prepare_weight(quantize_weight(w, fmt)), the layout written by the quantizing launch itself: a weight sync
+    re-quantizes every FP4 weight, and permuting its bytes and tiles afterwards took ~30 torch ops a tensor."""
+    fmt = parse_format(fmt)
+    words, tiled = _weight_layout((*w.shape[:-1], w.shape[-1] // 2), compute_dtype, w.device)
+    return quantize_weight(w, fmt, word_layout=words and fmt.kind == "nvfp4", tiled=tiled and fmt.kind == "nvfp4")
+
+
+def _weight_layout(packed_shape: tuple[int, ...], compute_dtype: torch.dtype,
+                   device: torch.device) -> tuple[bool, bool]:
+    """(word layout, tiles) of a GEMM weight whose packed codes have this shape."""
+    words = prefers_word_layout(compute_dtype, device) and packed_shape[-1] % 4 == 0
+    return words, words and tileable(packed_shape)
 
 
 def readable_weight(q: NVFP4, fast: bool) -> tuple[NVFP4, bool, bool]:

@@ -8,6 +8,8 @@ amax / 6, / global, clamp [2^-6, 448], E4M3 round, x * ((1 / global) / scale), E
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,11 +26,14 @@ from trace_lightning.kernels._fp4 import (
     encode_e2m1,
     pack_codes,
     sign_eight,
+    stored_words_to_word_layout,
+    tile_offset,
 )
 from trace_lightning.quant import MXFP4, NVFP4, BlockFP4, FP4Format
 from trace_lightning.quant import quantize_weight as _reference_quantize_weight
 from trace_lightning.quant.mxfp4 import check_mx_mode
 from trace_lightning.quant.nvfp4 import _check_global_scale
+from trace_lightning.quant.words import TILE_BYTES, WordNVFP4
 
 # Where the NVFP4 kernel's global scale comes from: none (1.0), given (a tensor or per-row one; weights), or computed
 # per row in the same pass (activations, K / V). Constexpr constants rather than an enum: a jit function may read
@@ -43,6 +48,8 @@ DEQUANT_WITH_GLOBAL = tl.constexpr(1)
 DEQUANT_NO_GLOBAL = tl.constexpr(2)
 # E2M1_CODE_BIAS in each of a word's 8 nibbles, mod 2^32 as an int32
 WORD_BIAS = tl.constexpr((E2M1_CODE_BIAS.value * 0x11111111 + 2**31) % 2**32 - 2**31)
+_WORD_TILE = tl.constexpr(TILE_BYTES // 4)  # a tile row of packed codes, in int32 words
+_SCALE_TILE = tl.constexpr(TILE_BYTES // 8)  # a tile row of scale bytes (one per 16 codes)
 
 
 @triton.jit
@@ -156,9 +163,10 @@ def block_words(x, r, bad, NAN_SAFE: tl.constexpr, SATURATE: tl.constexpr = True
 
 @triton.jit
 def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL: tl.constexpr,
-                 DEQUANT: tl.constexpr, NB: tl.constexpr, amax_bits=None):
+                 DEQUANT: tl.constexpr, NB: tl.constexpr, WORDS: tl.constexpr, TILED: tl.constexpr, amax_bits=None):
     """Quantize the loaded block_offsets tile x (float32, blocks k0 / 16 ..) of `rows` and store its bytes; amax_bits:
-    its blocks' keys when the caller already has them."""
+    its blocks' keys when the caller already has them. WORDS / TILED: the codes in the kernels' word layout, and
+    codes and scales in their tiles (a GEMM weight as layout.prepare_weight holds it)."""
     if amax_bits is None:
         amax_bits = block_amax_bits(x)
     byte, r, bad = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], GLOBAL != GLOBAL_NONE)
@@ -166,10 +174,10 @@ def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLO
     # branch on whether any r of the program overflows made the kernel 2.3x slower on an H200: v14)
     words, value = block_words(x, r, None if GLOBAL == GLOBAL_GIVEN else bad, GLOBAL == GLOBAL_GIVEN,
                                GLOBAL != GLOBAL_ROW)
-    _store_words(words_ptr, words, rows, k0, R, K, 2, NB)
+    _store_words(words_ptr, words, rows, k0, R, K, 2, NB, WORDS, TILED)
     nb = k0 // 16 + tl.arange(0, NB)
-    tl.store(scales_ptr + rows[None, :].to(tl.int64) * (K // 16) + nb[:, None], byte.to(tl.uint8),
-             mask=(rows[None, :] < R) & (nb[:, None] < K // 16))
+    tl.store(scales_ptr + tile_offset(rows[None, :].to(tl.int64), nb[:, None], K // 16, TILED, _SCALE_TILE),
+             byte.to(tl.uint8), mask=(rows[None, :] < R) & (nb[:, None] < K // 16))
     if DEQUANT != DEQUANT_NONE:  # NVFP4.dequantize's order, value * (scale * global), then the cast (exact without)
         mult = e4m3_to_f32(byte)
         if DEQUANT == DEQUANT_WITH_GLOBAL:
@@ -180,10 +188,14 @@ def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLO
 
 
 @triton.jit
-def _store_words(words_ptr, words, rows, k0, R, K, PARTS: tl.constexpr, NB: tl.constexpr):
-    """block_words' words [NB, BLOCK_R, PARTS] into the packed bytes of row-major [R, K] viewed as int32."""
+def _store_words(words_ptr, words, rows, k0, R, K, PARTS: tl.constexpr, NB: tl.constexpr,
+                 WORDS: tl.constexpr = False, TILED: tl.constexpr = False):
+    """block_words' words [NB, BLOCK_R, PARTS] into the packed bytes of [R, K] viewed as int32: row-major and in
+    stored order, or in the kernels' word layout (WORDS) and tiles (TILED)."""
     word = k0 // 8 + tl.arange(0, NB)[:, None, None] * PARTS + tl.arange(0, PARTS)[None, None, :]
-    tl.store(words_ptr + rows[None, :, None].to(tl.int64) * (K // 8) + word, words,
+    if WORDS:
+        words = stored_words_to_word_layout(words)
+    tl.store(words_ptr + tile_offset(rows[None, :, None].to(tl.int64), word, K // 8, TILED, _WORD_TILE), words,
              mask=(rows[None, :, None] < R) & (word < K // 8))
 
 
@@ -196,7 +208,7 @@ def _load_blocks(x_ptr, rows, k0, R, K, PARTS: tl.constexpr, NB: tl.constexpr):
 @triton.jit
 def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL: tl.constexpr, DEQUANT: tl.constexpr,
                   ONE_PASS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PDL: tl.constexpr = False):
+                  WORDS: tl.constexpr = False, TILED: tl.constexpr = False, PDL: tl.constexpr = False):
     await_previous_grid(PDL)
     NB: tl.constexpr = BLOCK_K // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -214,12 +226,12 @@ def _nvfp4_kernel(x_ptr, g_ptr, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL: tl.
         g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
     inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
     if ONE_PASS:
-        _nvfp4_chunk(x, 0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL, DEQUANT, NB,
+        _nvfp4_chunk(x, 0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLOBAL, DEQUANT, NB, WORDS, TILED,
                      amax_bits)
     else:
         for k0 in range(0, K, BLOCK_K):
             _nvfp4_chunk(_load_blocks(x_ptr, rows, k0, R, K, 2, NB), k0, rows, g, inv_g, words_ptr, scales_ptr,
-                         dq_ptr, R, K, GLOBAL, DEQUANT, NB)
+                         dq_ptr, R, K, GLOBAL, DEQUANT, NB, WORDS, TILED)
 
 
 @triton.jit
@@ -306,8 +318,10 @@ def _launch_shape(R: int, K: int, device: torch.device, per_thread: int = 64) ->
 
 
 def _nvfp4(x: Tensor, g: Tensor | None, global_scale: tl.constexpr, dq: Tensor | None = None,
-           dequant: tl.constexpr = DEQUANT_WITH_GLOBAL) -> tuple[Tensor, Tensor, Tensor]:
-    """(packed, scales, row globals) of x; with dq given, also the `dequant` values into dq (x's shape)."""
+           dequant: tl.constexpr = DEQUANT_WITH_GLOBAL, word_layout: bool = False,
+           tiled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed, scales, row globals) of x; with dq given, also the `dequant` values into dq (x's shape); `word_layout`
+    / `tiled`: packed in the kernels' word layout, packed and scales in their tiles (quantize_nvfp4)."""
     x2 = _rows_view(x, 16)
     R, K = x2.shape
     packed = torch.empty(R, K // 2, dtype=torch.uint8, device=x.device)
@@ -318,26 +332,35 @@ def _nvfp4(x: Tensor, g: Tensor | None, global_scale: tl.constexpr, dq: Tensor |
     words = packed.view(torch.int32)  # the kernel stores 8 codes a word
     _nvfp4_kernel[(triton.cdiv(R, block_r),)](x2, g_rows, words, scales, packed if dq is None else dq, R, K,
                                               global_scale.value, dequant.value, block_k >= K, block_r, block_k,
-                                              num_warps=warps, **grid_dependency(x.device))
+                                              word_layout, tiled, num_warps=warps, **grid_dependency(x.device))
     lead = tuple(x.shape[:-1])
     return packed.view(*lead, K // 2), scales.view(*lead, K // 16).view(torch.float8_e4m3fn), g_rows
 
 
-def quantize_nvfp4(x: Tensor, global_scale: Tensor | float | None = None) -> NVFP4:
-    """NVFP4 of x [..., K] with no, a scalar, or a broadcastable [..., 1] global scale (Triton)."""
+def quantize_nvfp4(x: Tensor, global_scale: Tensor | float | None = None, *, word_layout: bool = False,
+                   tiled: bool = False) -> NVFP4:
+    """NVFP4 of x [..., K] with no, a scalar, or a broadcastable [..., 1] global scale (Triton). `word_layout` (K
+    divisible by 8) and `tiled` (also rows and K / 2 whole tiles: quant.words.tileable): a WordNVFP4 written so by
+    the same launch, byte for byte what WordNVFP4.from_stored makes of the stored bytes."""
+    if tiled and not word_layout:
+        raise ValueError("tiled NVFP4 codes exist only in the word layout (WordNVFP4)")
     g = _check_global_scale(global_scale, x)
     rows = None if g is None else torch.broadcast_to(g, (*x.shape[:-1], 1)).reshape(-1).contiguous()
     packed, scales, _ = _nvfp4(x, rows if rows is not None else torch.ones(1, device=x.device),
-                               GLOBAL_NONE if g is None else GLOBAL_GIVEN)
+                               GLOBAL_NONE if g is None else GLOBAL_GIVEN, word_layout=word_layout, tiled=tiled)
+    if word_layout:
+        return WordNVFP4(packed=packed, scales=scales, global_scale=g, tiled=tiled)
     return NVFP4(packed=packed, scales=scales, global_scale=g)
 
 
-def quantize_weight(w: Tensor, fmt: FP4Format | str) -> BlockFP4:
+def quantize_weight(w: Tensor, fmt: FP4Format | str, *, word_layout: bool = False, tiled: bool = False) -> BlockFP4:
     """trace_lightning.quant.quantize_weight with the codes and block scales from one kernel launch (its global
-    scale rule is the reference's own; tests/kernels/test_one_definition.py: byte for byte). A weight sync
-    re-quantizes every FP4 weight each RL step; the reference's ~65 torch ops a tensor made small-moe's sync
-    launch-bound (65 ms on an H200)."""
-    return _reference_quantize_weight(w, fmt, nvfp4=quantize_nvfp4)
+    scale rule is the reference's own; tests/kernels/test_one_definition.py: byte for byte), NVFP4 optionally
+    written in the GEMMs' layout (quantize_nvfp4; layout.prepared_weight decides). A weight sync re-quantizes every
+    FP4 weight each RL step; the reference's ~65 torch ops a tensor made small-moe's sync launch-bound (65 ms on an
+    H200)."""
+    return _reference_quantize_weight(w, fmt, nvfp4=functools.partial(quantize_nvfp4, word_layout=word_layout,
+                                                                       tiled=tiled))
 
 
 def quantize_nvfp4_rows(x: Tensor) -> NVFP4:

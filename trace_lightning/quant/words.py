@@ -25,6 +25,7 @@ TILE_ROWS x TILE_BYTES / 8 bytes: a pure permutation of whole 4-byte words (it c
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,17 +87,18 @@ def from_word_layout(packed: Tensor) -> Tensor:
     return _permute_word_bits(packed, False)
 
 
-def _fits_tiles(t: Tensor, cols: int) -> bool:
-    return t.dim() >= 2 and t.shape[-2] % TILE_ROWS == 0 and t.shape[-1] % cols == 0
+def _fits_tiles(shape: Sequence[int], cols: int) -> bool:
+    return len(shape) >= 2 and shape[-2] % TILE_ROWS == 0 and shape[-1] % cols == 0
 
 
-def tileable(packed: Tensor) -> bool:
-    """Whether packed codes [..., N, K/2] split into whole tiles (N % TILE_ROWS == 0, K/2 % TILE_BYTES == 0)."""
-    return _fits_tiles(packed, TILE_BYTES)
+def tileable(packed: Tensor | Sequence[int]) -> bool:
+    """Whether packed codes [..., N, K/2] (or their shape) split into whole tiles (N % TILE_ROWS == 0, K/2 %
+    TILE_BYTES == 0)."""
+    return _fits_tiles(packed.shape if isinstance(packed, Tensor) else packed, TILE_BYTES)
 
 
 def _check_tileable(t: Tensor, cols: int) -> None:
-    if not _fits_tiles(t, cols):
+    if not _fits_tiles(t.shape, cols):
         raise ValueError(f"a tensor [..., N, C] splits into [{TILE_ROWS}, {cols}] tiles only if N % {TILE_ROWS} == 0 "
                          f"and C % {cols} == 0, got {tuple(t.shape)}")
 

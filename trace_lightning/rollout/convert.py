@@ -101,16 +101,13 @@ class FP4Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
         self._linear = _bind(ops.fp4_linear, compute_dtype)
-        self._prepare = ops.prepare_weight
-        self._quantize = ops.quantize_weight
+        self._quantize = functools.partial(ops.prepared_weight, compute_dtype=compute_dtype)
         self.set_weight("weight", weight)
 
     def set_weight(self, key: str, w: Tensor) -> None:
         """Re-quantize from a master weight [N, K] (held in the backend's fastest layout)."""
         self.q = self._quantize(w.detach(), self.fmt)
         self.dense = None if isinstance(self.q, NVFP4) else self.q.dequantize(self.compute_dtype)
-        if self.dense is None:
-            self.q = self._prepare(self.q, self.compute_dtype)
 
     def quantized(self) -> dict[str, BlockFP4]:
         """The FP4 weight in stored order (what checksums and records compare)."""
@@ -142,19 +139,17 @@ class FP4Experts(nn.Module):
         super().__init__()
         self.config, self.layer, self.fmt, self.compute_dtype = config, layer, fmt, compute_dtype
         self._moe = _bind(ops.fp4_moe, compute_dtype)
-        self._prepare = ops.prepare_weight
-        self._quantize = ops.quantize_weight
+        self._quantize = functools.partial(ops.prepared_weight, compute_dtype=compute_dtype)
         self.q: dict[str, BlockFP4] = {}
         self.dense: dict[str, Tensor] = {}
         self.set_weight("w13", w13)
         self.set_weight("w2", w2)
 
     def set_weight(self, key: str, w: Tensor) -> None:
+        """Re-quantize from master experts [E, N, K] (held in the backend's fastest layout)."""
         self.q[key] = self._quantize(w.detach(), self.fmt)
         if not isinstance(self.q[key], NVFP4):
             self.dense[key] = self.q[key].dequantize(self.compute_dtype)
-        else:
-            self.q[key] = self._prepare(self.q[key], self.compute_dtype)
 
     def quantized(self) -> dict[str, BlockFP4]:
         """The FP4 weights in stored order (what checksums and records compare)."""

@@ -394,8 +394,8 @@ class Engine:
             if name in self._fp4_weights:
                 module, key = self._fp4_weights[name]
                 module.set_weight(key, t.detach().to(self.device))
-            else:
-                self._dense[name].copy_(t.detach().to(self.device, self.compute_dtype))
+            else:  # copy_ casts and moves in its one kernel
+                self._dense[name].copy_(t.detach())
         self.policy_version = int(version)
 
     def _check_update(self, name: str, t: Tensor) -> None:

@@ -5,7 +5,7 @@ Same signatures as trace_lightning.kernels; pick one through trace_lightning.ops
 """
 
 from trace_lightning.quant import quantize_weight  # the one weight quantizer (the kernels' twin launches it)
-from trace_lightning.sim._weights import prefers_value_tiles, prefers_word_layout, prepare_weight
+from trace_lightning.sim._weights import prefers_value_tiles, prefers_word_layout, prepare_weight, prepared_weight
 from trace_lightning.sim.kv import fp4_kv_attention, kv_append
 from trace_lightning.sim.linear import fp4_linear
 from trace_lightning.sim.moe import fp4_moe
@@ -31,6 +31,7 @@ __all__ = [
     "prefers_value_tiles",
     "prefers_word_layout",
     "prepare_weight",
+    "prepared_weight",
     "quantize_mxfp4",
     "quantize_nvfp4",
     "quantize_nvfp4_rows",

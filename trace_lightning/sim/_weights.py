@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trace_lightning.quant import NVFP4, decode_e2m1, unpack_fp4
+from trace_lightning.quant import NVFP4, BlockFP4, FP4Format, decode_e2m1, quantize_weight, unpack_fp4
 from trace_lightning.quant.words import canonical
 
 
@@ -50,6 +50,11 @@ def dequantize_weight(w: NVFP4, rows: Tensor | None = None) -> Tensor:
 def prepare_weight(q: NVFP4, compute_dtype: torch.dtype) -> NVFP4:
     """The sim reads weights in stored order: q unchanged (the kernels' twin may permute bits for its decoder)."""
     return q
+
+
+def prepared_weight(w: Tensor, fmt: FP4Format | str, compute_dtype: torch.dtype) -> BlockFP4:
+    """prepare_weight(quantize_weight(w, fmt)): the one weight quantizer's result, in stored order."""
+    return quantize_weight(w, fmt)
 
 
 def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: bool = False) -> bool:
