@@ -6,12 +6,15 @@
 #   3. the standalone engine at the fit's shape (small-moe, 64 x 8 rollouts, 128 new tokens, parity records), the
 #      figure the fit's rollout tokens/s is compared with;
 #   4. the fit's TensorBoard scalars as a table (tools/tb_summary.py), and the weight sync part by part
-#      (tools/bench_sync.py).
+#      (tools/bench_sync.py);
+#   5. (in the fit part) the fit's rollout from its step-50 checkpoint against the standalone engine at the same
+#      response lengths (tools/bench_fit_rollout.py): the in-fit >= 50% comparison at equal lengths.
 # The GPU image lacks jsonargparse, omegaconf and reasoning-gym (and its needs): they travel as wheels in .whl
 # (see .whl/README in the closing notes; `run(..., carry=[".whl"])`).
-# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench]   (default 20 RL steps after 20 warm-start steps)
+# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench]   (default 30 RL steps after 20 warm-start steps: the
+# step-50 checkpoint conf/gpu.yaml saves is the one part 5 rolls out from)
 set -uo pipefail
-RL=${1:-20}
+RL=${1:-30}
 PART=${2:-all}  # all, or one of tests / fit / bench: shorter calls lose less when a machine is taken back
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -42,6 +45,10 @@ if [ "$PART" = all ] || [ "$PART" = fit ]; then
   echo "## the BF16 reference's mismatch (a bf16 rollout against the same training forward)"
   [ -d "$RUN/bf16_reference" ] && python3 tools/tb_summary.py "$RUN/bf16_reference" --match mismatch/k3 \
     | tee "$OUT/fit_bf16_reference.md"
+  echo "## 5. the fit's rollout against the standalone engine at the same lengths"
+  CKPT=$(ls "$RUN"/checkpoints/last.ckpt 2>/dev/null | head -1)
+  timeout 120 python3 tools/bench_fit_rollout.py --config conf/sim.yaml --config conf/gpu.yaml --steps 4 --fixed \
+    ${CKPT:+--init-from "$CKPT"} 2>&1 | tee "$OUT/bench_fit_rollout.log" | grep "^|\|^means\|^small\|Error"
 fi
 if [ "$PART" = all ] || [ "$PART" = bench ]; then
   echo "## 3. the standalone engine at the fit's shape"

@@ -175,7 +175,8 @@ class DepthSelectiveCompaction(L.Callback):
     def _policy(self, module: Any) -> str:
         return self.policy or module.trace.layers or module.method.default_layers
 
-    def _apply(self, module: Any) -> None:
+    def apply(self, module: Any) -> None:
+        """Set the worker's recorded layers, and whether its next rollout audits, for the module's next step."""
         worker = module.worker
         config = worker.engine.config
         mode = module.method.guidance_mode or "parity"
@@ -192,13 +193,13 @@ class DepthSelectiveCompaction(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
         # Not on_fit_start: a resumed fit has its global_step back only by now, and the first rollout comes after.
-        self._apply(module)
+        self.apply(module)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         hook = outputs.get("hook") if isinstance(outputs, dict) else None
         if hook is not None and getattr(hook, "agreement", None):
             self.layer_agreement = hook.layer_agreement()
-        self._apply(module)
+        self.apply(module)
 
     def state_dict(self) -> dict[str, Any]:
         return {"layer_agreement": dict(self.layer_agreement)}

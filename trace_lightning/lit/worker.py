@@ -89,7 +89,8 @@ class RolloutWorker(L.LightningModule):
     def weight_checksums(self) -> dict[str, str]:
         return self.engine.weight_checksums()
 
-    def _capture(self) -> CaptureSpec | None:
+    def capture_spec(self) -> CaptureSpec | None:
+        """What the next rollout records: the recorded layers' sites (every layer's full codes on an audit)."""
         if not self.method.rollout_fp4:
             return None
         config = self.engine.config
@@ -112,16 +113,14 @@ class RolloutWorker(L.LightningModule):
         greedy: bool = False,
         capture: CaptureSpec | None = None,
     ) -> RolloutBatch:
+        return self.engine.generate(prompts, self.sampling_params(seed, greedy), capture=capture,
+                                    max_batch=self.rollout_cfg.max_batch)
+
+    def sampling_params(self, seed: int | Sequence[int], greedy: bool = False) -> SamplingParams:
+        """How rollouts (greedy: evaluation and predict) sample: the rollout settings, ending at the EOS token."""
         r = self.rollout_cfg
-        params = SamplingParams(
-            max_new_tokens=r.max_new_tokens,
-            temperature=0.0 if greedy else r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            seed=seed,
-            stop_token_ids=[self.tokenizer.eos_id],
-        )
-        return self.engine.generate(prompts, params, capture=capture, max_batch=r.max_batch)
+        return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                              top_k=r.top_k, top_p=r.top_p, seed=seed, stop_token_ids=[self.tokenizer.eos_id])
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return [self.tokenizer.bos_id, *self.tokenizer.encode(problem.prompt)]
@@ -137,7 +136,7 @@ class RolloutWorker(L.LightningModule):
         seed: one batch seed, or one seed per sequence (a data-parallel rank's share of the global batch's)."""
         g = self.rollout_cfg.group_size
         prompts = [self.encode_prompt(p) for p in problems for _ in range(g)]
-        capture = self._capture()
+        capture = self.capture_spec()
         start = time.perf_counter()
         out = self.generate(prompts, seed, capture=capture)
         elapsed = time.perf_counter() - start
