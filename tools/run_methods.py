@@ -48,7 +48,14 @@ def latest_version(save_dir: Path, name: str) -> str:
 
 
 def run_method(method: str, seed: int, warm_ckpt: Path, out: Path, rl_steps: int) -> dict:
+    """One method's RL phase and its summary; a finished one is read back from out/<name>.json (a later call
+    resumes a comparison that an earlier one, e.g. a time-limited device call, left half done)."""
     name = f"{method}_s{seed}"
+    done = out / f"{name}.json"
+    if done.exists():
+        summary = json.loads(done.read_text())
+        if summary.get("rl_steps") == rl_steps and summary.get("warm_start") == str(warm_ckpt):
+            return summary
     fit([
         "--model.trace.method", method, "--model.seed", str(seed), "--model.warmup_steps", "0",
         "--model.init_from", str(warm_ckpt), "--trainer.max_steps", str(rl_steps),
@@ -59,9 +66,11 @@ def run_method(method: str, seed: int, warm_ckpt: Path, out: Path, rl_steps: int
     reward = [v for _, v in s.get("reward/mean", [])]
     k3 = [v for _, v in s.get("mismatch/k3_kl", [])]
     tail = reward[-max(1, len(reward) // 5):]
-    return {
+    summary = {
         "method": method,
         "seed": seed,
+        "rl_steps": rl_steps,
+        "warm_start": str(warm_ckpt),
         "first_reward": sum(reward[:5]) / max(1, len(reward[:5])),
         "final_reward": sum(tail) / max(1, len(tail)),
         "mean_k3_kl": sum(k3) / max(1, len(k3)),
@@ -69,6 +78,8 @@ def run_method(method: str, seed: int, warm_ckpt: Path, out: Path, rl_steps: int
         "bf16_accuracy": s.get("eval/bf16_accuracy", [(0, float("nan"))])[-1][1],
         "curves": {"reward": s.get("reward/mean", []), "k3_kl": s.get("mismatch/k3_kl", [])},
     }
+    done.write_text(json.dumps(summary))
+    return summary
 
 
 def plot(results: list[dict], key: str, path: Path) -> None:
@@ -147,7 +158,8 @@ def main() -> None:
         ckpt = Path(max(glob.glob(str(warm / "sim" / "version_*" / "checkpoints" / "*.ckpt")), key=os.path.getmtime))
         for method in args.methods:
             results.append(run_method(method, seed, ckpt, args.out, args.rl_steps))
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "curves"}), flush=True)
+            print(json.dumps({k: v for k, v in results[-1].items() if k not in ("curves", "warm_start")}),
+                  flush=True)
     prefix = "" if args.name == "sim" else f"{args.name}_"
     for key, figure in (("reward", "rl_reward.png"), ("k3_kl", "rl_k3_kl.png")):
         plot(results, key, ROOT / "docs" / "figures" / f"{prefix}{figure}")
