@@ -8,10 +8,13 @@
 #   4. the fit's TensorBoard scalars as a table (tools/tb_summary.py), and the weight sync part by part
 #      (tools/bench_sync.py);
 #   5. (in the fit part) the fit's rollout from its step-50 checkpoint against the standalone engine at the same
-#      response lengths (tools/bench_fit_rollout.py): the in-fit >= 50% comparison at equal lengths.
+#      response lengths (tools/bench_fit_rollout.py): the in-fit >= 50% comparison at equal lengths;
+#   6. (part `methods`, not in `all`) bf16, fp4_qat and trace_compact from one shared warm start, RL_STEPS each
+#      (tools/run_methods.py, resumable: call it again on the same warm machine and it goes on where the last call's
+#      time limit stopped it); results.md's GPU section, its figures and the per-method JSON come back in $OUT.
 # The GPU image lacks jsonargparse, omegaconf and reasoning-gym (and its needs): they travel as wheels in .whl
 # (see .whl/README in the closing notes; `run(..., carry=[".whl"])`).
-# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench]   (default 30 RL steps after 20 warm-start steps: the
+# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench|methods]   (default 30 RL steps after 20 warm-start steps: the
 # step-50 checkpoint conf/gpu.yaml saves is the one part 5 rolls out from)
 set -uo pipefail
 RL=${1:-30}
@@ -56,4 +59,11 @@ if [ "$PART" = all ] || [ "$PART" = bench ]; then
     --new-tokens 128 --repeats 2 2>&1 | tee "$OUT/bench_engine.log" | grep "^|\|Error\|error"
   echo "## 4. the weight sync, part by part (small-moe: the fit's time/sync_s)"
   timeout 60 python3 tools/bench_sync.py --preset small-moe 2>&1 | tee "$OUT/bench_sync.log" | grep "^|\|Error"
+fi
+if [ "$PART" = methods ]; then
+  echo "## 6. bf16 / fp4_qat / trace_compact on the GPU, $RL RL steps each from one warm start (resumable)"
+  timeout 560 python3 tools/run_methods.py --config conf/gpu.yaml --methods bf16 fp4_qat trace_compact \
+    --warmup-steps 300 --rl-steps "$RL" --out runs/methods_gpu --name gpu --machine "1x H200" 2>&1 \
+    | tee "$OUT/methods.log" | grep "^{\|Error\|error" | tail -8
+  mkdir -p "$OUT/methods" && cp runs/methods_gpu/*.json docs/results.md docs/figures/gpu_* "$OUT/methods/" 2>/dev/null
 fi
