@@ -9,11 +9,13 @@ real. Logprobs are not bit-identical between the two: the full window's softmax 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 from collections.abc import Callable
 
 import pytest
 import torch
+from torch import Tensor
 
 from trace_lightning.guidance import BatchRecord
 from trace_lightning.model import Transformer
@@ -136,3 +138,107 @@ def test_cuda_graph_parity_record_equals_eager(base_model: Transformer, stream: 
     assert graph.stats["graph_steps"] > 0 and graph.responses == eager.responses
     assert graph.record.data.device.type == ("cpu" if stream else "cuda")
     assert_same_record(graph.record, eager.record)
+
+
+# ---- a kept decode session: later calls of the same shape replay from their first step ------------------------
+def weight_pointers(engine: Engine) -> dict[str, list[int]]:
+    """Where every tensor a forward reads lives: the FP4 weights' fields and the dense parameters."""
+    pointers = {name: [t.data_ptr()] for name, t in engine._dense.items()}
+    for name, (module, key) in engine._fp4_weights.items():
+        q = module.q[key] if isinstance(module.q, dict) else module.q
+        pointers[name] = [t.data_ptr() for f in dataclasses.fields(q) if isinstance(t := getattr(q, f.name), Tensor)]
+    return pointers
+
+
+def keep_sessions(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
+    """Emulated graphs (as on a GPU) whose replays fail if a weight moved since the capture (a real graph would read
+    the old address), and engines keeping their decode sessions as on a GPU."""
+
+    def pinned_capture(loop: DecodeLoop) -> None:
+        emulated_capture(loop)
+        pinned = weight_pointers(engine)
+
+        def replay() -> None:
+            assert weight_pointers(engine) == pinned, "a weight moved under the captured graph"
+            loop.step()
+
+        loop.graph = types.SimpleNamespace(replay=replay)
+
+    emulate_graphs(monkeypatch, pinned_capture)
+    monkeypatch.setattr(Engine, "_keeps_decode_graphs", lambda self: self.keep_decode_graph)
+
+
+FP32 = FP4Precision(compute_dtype="fp32")  # fp32: a whole-window replay and a grown-window eager step agree on codes
+
+
+def test_a_kept_session_replays_every_step_of_later_calls_across_weight_syncs(
+        base_model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second call of a shape replays all its decode steps on the first call's buffers and graph, and gives what
+    a fresh engine gives; a weight sync writes in place (the graph sees the new weights, nothing moved); the first
+    call's record, handed over as a copy, is untouched; records and routes have the call's length, not the kept
+    cache's."""
+    capture = CaptureSpec()
+    kept = Engine(copy.deepcopy(base_model), FP32, cuda_graph=False, sync_every=3)
+    keep_sessions(monkeypatch, kept)
+    first = kept.generate(PROMPTS, SamplingParams(max_new_tokens=[9, 3, 12, 7], temperature=1.0, seed=1), capture)
+    session, record = kept._session, first.record.data.clone()
+    assert session is not None and first.stats["graph_steps"] > 0
+    length = max(len(p) + m for p, m in zip(PROMPTS, [9, 3, 12, 7], strict=True))
+    assert first.record.data.shape[1] == first.route_table.shape[2] == length < session.recorder.max_len
+
+    prompts = [[1, 2, 3], [1, 8, 9, 10, 11], [1, 4], [1, 60, 61, 62, 63, 64, 65]]  # other lengths, same bucket
+    params = SamplingParams(max_new_tokens=[12, 5, 10, 2], temperature=1.0, seed=2)
+
+    def fresh(model: Transformer) -> RolloutBatch:
+        return Engine(copy.deepcopy(model), FP32, cuda_graph=False, sync_every=3).generate(prompts, params, capture)
+
+    second = kept.generate(prompts, params, capture)
+    assert kept._session is session and second.stats["graph_steps"] == second.stats["decode_steps"] - 1
+    assert_same_rollout(second, fresh(base_model))
+    assert_same_record(second.record, fresh(base_model).record)
+    assert torch.equal(first.record.data, record)
+
+    torch.manual_seed(9)
+    other = Transformer(base_model.config).eval()
+    kept.update_weights({k: v.detach().clone() for k, v in other.state_dict().items()}, version=1)
+    assert kept._session is session
+    third = kept.generate(prompts, params, capture)
+    assert third.stats["graph_steps"] == third.stats["decode_steps"] - 1
+    assert_same_rollout(third, fresh(other))
+    assert third.responses != second.responses
+
+
+def test_another_shape_or_no_keeping_builds_a_new_session(base_model: Transformer,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(copy.deepcopy(base_model), FP32, cuda_graph=False)
+    keep_sessions(monkeypatch, engine)
+    engine.generate(PROMPTS, PARAMS)
+    session = engine._session
+    smaller = engine.generate(PROMPTS[:2], PARAMS.__class__(max_new_tokens=7, temperature=1.0, seed=4))
+    assert engine._session is not None and engine._session is not session
+    assert smaller.stats["graph_steps"] < smaller.stats["decode_steps"] - 1  # eager steps, then a capture
+    greedy = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=7, temperature=0.0))  # sampling is baked in
+    assert greedy.stats["graph_steps"] < greedy.stats["decode_steps"] - 1
+    engine.release_decode_session()
+    assert engine._session is None
+    unkept = Engine(copy.deepcopy(base_model), FP32, cuda_graph=False, keep_decode_graph=False)
+    unkept.generate(PROMPTS, PARAMS)
+    assert unkept._session is None
+
+
+@pytest.mark.gpu
+def test_cuda_graph_kept_across_calls_and_a_weight_sync_equals_eager(base_model: Transformer) -> None:
+    """The real thing on CUDA: the second call (after a weight sync) replays the first call's graph and samples
+    what an eager engine with the new weights samples."""
+    model = copy.deepcopy(base_model).to("cuda")
+    precision, capture = FP4Precision(compute_dtype="bf16"), CaptureSpec(mode="parity")
+    kept = Engine(copy.deepcopy(model), precision, cuda_graph=True)
+    kept.generate(PROMPTS, PARAMS, capture=capture)
+    torch.manual_seed(9)
+    other = Transformer(base_model.config).eval().to("cuda")
+    kept.update_weights({k: v.detach().clone() for k, v in other.state_dict().items()}, version=1)
+    again = kept.generate(PROMPTS, PARAMS, capture=capture)
+    eager = Engine(copy.deepcopy(other), precision, cuda_graph=False).generate(PROMPTS, PARAMS, capture=capture)
+    assert again.stats["capture_s"] == 0.0 and again.stats["graph_steps"] == again.stats["decode_steps"] - 1
+    assert again.responses == eager.responses
+    assert_same_record(again.record, eager.record)

@@ -123,6 +123,10 @@ class Recorder:
         self.write_slot = (ops or sim).write_record_slot  # one Triton launch a site on the GPU
         self.slots = {s.key: s for s in layout.slots} if layout is not None else {}
         self.batch, self.max_len = batch, max_len
+        self.length = max_len
+        """The positions of the current generate call (<= max_len: a kept decode session's buffers may be longer)."""
+        self.kept = False
+        """The buffers outlive the call (a kept decode session): the record is handed over as a copy."""
         self.positions: Tensor | None = None
         self.rows: Tensor | None = None
         self.step: Tensor | None = None
@@ -142,6 +146,15 @@ class Recorder:
             self.ring_pos = torch.full((fwd_rows, ring), -1, dtype=torch.long, device=device)
             self.ring_row = torch.zeros((fwd_rows, ring), dtype=torch.long, device=device)
             self.staging = torch.empty(fwd_rows, ring, width, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+    def begin(self, length: int) -> None:
+        """A generate call of up to `length` positions starts in these buffers (what an earlier call wrote there is
+        cut off or overwritten: its positions past a row's length are filled at hand-over)."""
+        if length > self.max_len:
+            raise ValueError(f"a call of {length} positions does not fit a recorder of {self.max_len}")
+        self.length = length
+        self.positions = self.rows = self.step = None
+        self.observed.clear()
 
     def output_rows(self) -> Tensor:
         """(B, T) output row of each token of the current forward: ``rows[b]`` when set, else b."""
@@ -203,13 +216,14 @@ class Recorder:
             self.ring_row[rows, columns] = self.output_rows()
 
     def valid(self, lengths: Tensor) -> Tensor:
-        """(B, S) True at the positions 0 .. lengths[b] - 1 each row fed through the model."""
-        return torch.arange(self.max_len, device=lengths.device) < lengths[:, None]
+        """(B, S) True at the positions 0 .. lengths[b] - 1 each row fed through the model (S: the call's length)."""
+        return torch.arange(self.length, device=lengths.device) < lengths[:, None]
 
     def route_table(self, lengths: Tensor) -> Tensor:
-        """[L, B, S, top_k] routes; positions past a row's length hold 0 .. top_k - 1 (a valid, distinct set)."""
+        """[L, B, S, top_k] routes (a new tensor); positions past a row's length hold 0 .. top_k - 1 (a valid,
+        distinct set)."""
         fill = torch.arange(self.routes.shape[-1], dtype=self.routes.dtype, device=self.routes.device)
-        return torch.where(self.valid(lengths)[None, :, :, None], self.routes, fill)
+        return torch.where(self.valid(lengths)[None, :, :, None], self.routes[:, :, : self.length], fill)
 
     def batch_record(self, lengths: Tensor, routes: Tensor, policy_version: int, model_id: str) -> BatchRecord:
         """The record of the whole call (with `routes`, the call's ``route_table``): positions past a row's length
@@ -219,9 +233,10 @@ class Recorder:
         if missing:
             raise RuntimeError(f"record sites {missing} were laid out but never quantized by the forward")
         valid = self.valid(lengths.to(self.data.device))
-        self.data[~valid] = self.layout.pad_row(self.data.device)  # in place: the record is handed over as is
-        return BatchRecord(self.data, routes.to(self.data.device), valid, self.layout, [policy_version] * self.batch,
-                           model_id)
+        data = self.data[:, : self.length]
+        data[~valid] = self.layout.pad_row(self.data.device)  # in place: the record is handed over as is (or copied)
+        return BatchRecord(data.clone() if self.kept else data, routes.to(self.data.device), valid, self.layout,
+                           [policy_version] * self.batch, model_id)
 
 
 class FP4ActivationHook(QuantHook):

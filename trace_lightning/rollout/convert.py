@@ -10,6 +10,9 @@ NVFP4 modules run ``ops.fp4_linear`` / ``ops.fp4_moe`` from the chosen backend. 
 GEMMs yet, so MXFP4 modules keep their weights dequantized once per update and run dense GEMMs (same values,
 dense memory); their ``moe_down`` then goes through the activation hook.
 
+A weight update writes the new codes and scales into the tensors the module already holds (``set_weight``): a CUDA
+graph the engine captured reads weights at their addresses, so it stays valid across weight syncs.
+
 ``dense_from`` (the engine's ``prefill_dense_from``): a forward of at least that many tokens (a large prefill) runs
 dense GEMMs on the weight dequantized for that forward instead of the FP4 kernels, whose advantage is reading 4.5
 bits a weight, which stops paying once a GEMM is compute-bound. Same weight values, a transient dense copy.
@@ -17,6 +20,7 @@ bits a weight, which stops paying once a GEMM is compute-bound. Same weight valu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -102,12 +106,17 @@ class FP4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
         self._linear = _bind(ops.fp4_linear, compute_dtype)
         self._quantize = functools.partial(ops.prepared_weight, compute_dtype=compute_dtype)
+        self.q: BlockFP4 | None = None
+        self.dense: Tensor | None = None
         self.set_weight("weight", weight)
 
-    def set_weight(self, key: str, w: Tensor) -> None:
-        """Re-quantize from a master weight [N, K] (held in the backend's fastest layout)."""
-        self.q = self._quantize(w.detach(), self.fmt)
-        self.dense = None if isinstance(self.q, NVFP4) else self.q.dequantize(self.compute_dtype)
+    def set_weight(self, key: str, w: Tensor) -> bool:
+        """Re-quantize from a master weight [N, K] (held in the backend's fastest layout), into the tensors held
+        so far where they fit. -> whether any tensor the forward reads moved (was replaced, not overwritten)."""
+        self.q, moved = _write_into(self.q, self._quantize(w.detach(), self.fmt))
+        dense = None if isinstance(self.q, NVFP4) else self.q.dequantize(self.compute_dtype)
+        self.dense, moved_dense = _write_tensor_into(self.dense, dense)
+        return moved or moved_dense
 
     def quantized(self) -> dict[str, BlockFP4]:
         """The FP4 weight in stored order (what checksums and records compare)."""
@@ -145,11 +154,15 @@ class FP4Experts(nn.Module):
         self.set_weight("w13", w13)
         self.set_weight("w2", w2)
 
-    def set_weight(self, key: str, w: Tensor) -> None:
-        """Re-quantize from master experts [E, N, K] (held in the backend's fastest layout)."""
-        self.q[key] = self._quantize(w.detach(), self.fmt)
-        if not isinstance(self.q[key], NVFP4):
-            self.dense[key] = self.q[key].dequantize(self.compute_dtype)
+    def set_weight(self, key: str, w: Tensor) -> bool:
+        """Re-quantize from master experts [E, N, K] (held in the backend's fastest layout), into the tensors held
+        so far where they fit. -> whether any tensor the forward reads moved."""
+        self.q[key], moved = _write_into(self.q.get(key), self._quantize(w.detach(), self.fmt))
+        if isinstance(self.q[key], NVFP4):
+            return moved
+        dense = self.q[key].dequantize(self.compute_dtype)
+        self.dense[key], moved_dense = _write_tensor_into(self.dense.get(key), dense)
+        return moved or moved_dense
 
     def quantized(self) -> dict[str, BlockFP4]:
         """The FP4 weights in stored order (what checksums and records compare)."""
@@ -193,6 +206,30 @@ class FP4Experts(nn.Module):
 
 
 FP4Module = FP4Linear | FP4Experts
+
+
+def _write_into(held: BlockFP4 | None, new: BlockFP4) -> tuple[BlockFP4, bool]:
+    """(the weight to hold, whether it moved): `new`'s tensors copied into `held`'s when both are the same kind of
+    FP4 tensor with the same shapes, dtypes and layout flags; `new` itself otherwise (or when nothing was held)."""
+    if held is None or type(held) is not type(new):
+        return new, held is not None
+    pairs = [(getattr(held, f.name), getattr(new, f.name)) for f in dataclasses.fields(new)]
+    for a, b in pairs:
+        same = (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                if isinstance(a, Tensor) and isinstance(b, Tensor) else not isinstance(a, Tensor) and a == b)
+        if not same:
+            return new, True
+    for a, b in pairs:
+        if isinstance(a, Tensor):
+            a.copy_(b)
+    return held, False
+
+
+def _write_tensor_into(held: Tensor | None, new: Tensor | None) -> tuple[Tensor | None, bool]:
+    """_write_into for a plain tensor (an MXFP4 module's dequantized weight), None meaning none."""
+    if held is None or new is None or held.shape != new.shape or held.dtype != new.dtype:
+        return new, held is not None
+    return held.copy_(new), False
 
 
 def _is_large(x: Tensor, features: int, dense_from: int | None) -> bool:

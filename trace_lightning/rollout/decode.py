@@ -1,4 +1,4 @@
-"""The decode loop as device-only work on static buffers, replayable as one CUDA graph per generate call.
+"""The decode loop as device-only work on static buffers, replayable as one CUDA graph across generate calls.
 
 Each step reads the step counter, derives every row's position from it, runs the forward, samples, and writes
 the token, its logprob and the done flags into preallocated tensors, all on the device. That makes the step a
@@ -6,6 +6,11 @@ pure function of buffers that live across steps, which is what a CUDA graph repl
 engine runs the first steps eagerly (they compile kernels and allocate the record buffers), captures one
 step, and replays it, so a step costs one graph launch instead of hundreds of kernel launches. Any capture
 failure (an op that syncs with the host, say) falls back to the eager loop, with a warning.
+
+A DecodeSession is those buffers with the cache, the recorder and the captured graph: the engine keeps the last
+one and hands it to the next generate call of the same shape (an RL fit's every rollout), which loads its inputs
+into the same buffers and replays from its first step, with no eager warm-up and no capture. Weight updates write
+into the weights' tensors in place (rollout/convert.py), so the graph reads the new weights.
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from trace_lightning.model.hooks import QuantHook
 from trace_lightning.rollout.cache import KVCache
+from trace_lightning.rollout.capture import Recorder
 
 Logits = Callable[[Tensor, Tensor], Tensor]  # (tokens (B, 1), positions (B, 1)) -> next-token logits (B, V)
 
@@ -38,6 +46,31 @@ class DecodeState:
     def __post_init__(self) -> None:
         self.step = torch.ones(1, dtype=torch.long, device=self.tokens.device)  # the step being decoded (>= 1)
         self.last = self.tokens[:, :1].clone()  # (B, 1) the token fed to the next step
+
+    @classmethod
+    def empty(cls, batch: int, max_new: int, n_stop: int, device: torch.device) -> DecodeState:
+        """Buffers for `batch` sequences of up to `max_new` tokens ending at any of `n_stop` stop ids; begin()
+        fills them."""
+        def ints(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        return cls(ints(batch, max_new), torch.zeros(batch, max_new, dtype=torch.float32, device=device),
+                   torch.zeros(batch, dtype=torch.bool, device=device), ints(batch), ints(batch), ints(batch),
+                   ints(n_stop))
+
+    def begin(self, first: Tensor, first_logprob: Tensor, lens: Tensor, max_new: Tensor, stop: Tensor) -> None:
+        """A generate call in these buffers: the prefill's tokens and logprobs (B,) at column 0, the rows' prompt
+        lengths and token budgets (B,), the stop ids; step 1 next. Everything is copied in, nothing replaced."""
+        self.tokens.zero_()
+        self.logprobs.zero_()
+        self.tokens[:, 0], self.logprobs[:, 0] = first, first_logprob
+        self.lens.copy_(lens)
+        self.max_new.copy_(max_new)
+        self.last_pos.copy_(lens + max_new - 1)  # the last position a row may write
+        self.stop.copy_(stop)
+        self.done.copy_(torch.isin(first, stop) | (max_new <= 1))
+        self.step.fill_(1)
+        self.last.copy_(first[:, None])
 
 
 class DecodeLoop:
@@ -64,6 +97,10 @@ class DecodeLoop:
         st.done |= torch.isin(tok, st.stop) | (st.max_new <= st.step + 1)
         st.last.copy_(tok[:, None])
         st.step += 1
+
+    def begin(self) -> None:
+        """A new generate call on this loop: its counters from zero (a captured graph stays)."""
+        self.graph_steps, self.capture_s = 0, 0.0
 
     def run(self, n_steps: int, visible: Callable[[int], int]) -> int:
         """Decode steps 1 .. n_steps; `visible(i)` is the eager loop's cache window at step i. -> steps run."""
@@ -107,3 +144,17 @@ class DecodeLoop:
             self.capture_s += time.perf_counter() - start
         self.graph = graph
 
+
+@dataclass
+class DecodeSession:
+    """Everything the decode steps of a generate call read and write, reusable by a later call whose `key` (batch,
+    cache length, token budget, record layout, sampling settings) is the same."""
+
+    key: tuple[Any, ...]
+    cache: KVCache
+    recorder: Recorder
+    hook: QuantHook | None
+    keys: Tensor
+    """(B, 2) the sequences' sampling keys (rollout/sampling.py), copied in by each call."""
+    state: DecodeState
+    loop: DecodeLoop

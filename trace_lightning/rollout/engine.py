@@ -42,7 +42,7 @@ from trace_lightning.rollout.convert import (
     fp4_checksum,
     fp4_weight_checksums,
 )
-from trace_lightning.rollout.decode import DecodeLoop, DecodeState
+from trace_lightning.rollout.decode import DecodeLoop, DecodeSession, DecodeState
 from trace_lightning.rollout.precision import FP4Precision, resolve_precision
 from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
 from trace_lightning.rollout.slots import SlotLoop, SlotState
@@ -50,6 +50,9 @@ from trace_lightning.timing import device_time
 
 if TYPE_CHECKING:
     from trace_lightning.kernels import KernelOptions
+
+GRAPH_LENGTH_STEP = 64
+"""A kept decode session's cache length is the call's rounded up to a multiple of this."""
 
 
 class Engine:
@@ -63,12 +66,19 @@ class Engine:
     every chunk attending to the cache the ones before it wrote, so the prefill's activations scale with batch x
     chunk, not batch x prompt (its workspace is what a large batch's peak memory exceeds the plan by); the
     sequences come out as an unchunked prefill gives them (tests/rollout/test_prefill_chunks.py). None: one
-    forward."""
+    forward.
+
+    ``keep_decode_graph`` (with CUDA graphs on CUDA): a static generate call keeps its decode session (KV cache,
+    record buffers, captured step) for the next call of the same shape, which then replays from its first decode
+    step instead of running two eager steps and capturing (an RL fit's rollouts all have one shape). The price:
+    that cache and record stay allocated between calls (``release_decode_session`` frees them), and the record is
+    handed over as a copy. Continuous batching and records streamed to the host do not keep sessions."""
 
     def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
                  sync_every: int = 8, fused_attention: bool | None = None, fused_norms: bool | None = None,
                  cuda_graph: bool = True, kernel_options: KernelOptions | None = None,
-                 prefill_dense_from: int | None = None, prefill_chunk: int | None = None) -> None:
+                 prefill_dense_from: int | None = None, prefill_chunk: int | None = None,
+                 keep_decode_graph: bool = True) -> None:
         self.compute_dtype, self.fp4 = resolve_precision(precision)
         self.precision = precision
         self.config = model.config
@@ -76,6 +86,8 @@ class Engine:
         self.ops: ModuleType = backend_for(self.device, backend)
         self.sync_every = max(1, sync_every)
         self.cuda_graph = cuda_graph  # decode steps replay as one CUDA graph on GPU (rollout/decode.py)
+        self.keep_decode_graph = keep_decode_graph
+        self._session: DecodeSession | None = None
         # attention over the packed FP4 cache (ops.fp4_kv_attention) on every backend: on Triton one kernel reads the
         # 4.5-bit K/V (the dequantize-then-SDPA fallback would move more bytes than a bf16 cache); on every backend
         # a query's result then depends on its own keys only, not on how many masked slots follow them (the batch's
@@ -128,39 +140,71 @@ class Engine:
         slots = _slot_count(max_batch, len(prompts))
         if slots < len(prompts):
             return self._generate_continuous(prompts, max_new, seeds, params, capture, slots)
-        c, B, dev = self.config, len(prompts), self.device
+        dev = self.device
         lens = [len(p) for p in prompts]
         P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
-        recorder = Recorder(self.record_layout(capture), B, S, c.n_layers, c.top_k, c.n_experts, dev, self.ops,
-                            ring=self._ring(capture, P))
-        hook, cache = self._hook(recorder if capture else None), self._cache(B, S, recorder if capture else None)
-        keys = seed_keys(seeds, dev)
+        stop_ids = list(params.stop_token_ids)
+        session = self._decode_session(len(prompts), S, N, P, capture, params, len(stop_ids))
+        recorder, hook, cache, state, loop = session.recorder, session.hook, session.cache, session.state, session.loop
+        recorder.begin(S)
+        session.keys.copy_(seed_keys(seeds, dev))
         lens_t, max_new_t = torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev)
-        last_pos = lens_t + max_new_t - 1  # (B,) the last position a row may write
-        stop = torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=dev)
-        draw = functools.partial(sample, keys=keys, temperature=params.temperature, top_k=params.top_k,
-                                 top_p=params.top_p)
-        tokens = torch.zeros(B, N, dtype=torch.long, device=dev)
-        logprobs = torch.zeros(B, N, dtype=torch.float32, device=dev)
 
         start = time.perf_counter()
-        tok, lp = draw(self.prefill(prompts, cache, hook, recorder), step=0)
+        tok, lp = loop.draw(self.prefill(prompts, cache, hook, recorder), step=0)
         recorder.flush()
-        tokens[:, 0], logprobs[:, 0] = tok, lp
-        state = DecodeState(tokens, logprobs, torch.isin(tok, stop) | (max_new_t <= 1), lens_t, last_pos, max_new_t,
-                            stop)
+        state.begin(tok, lp, lens_t, max_new_t, torch.tensor(stop_ids, dtype=torch.long, device=dev))
         prefill_s = device_time(dev) - start  # the prefill's device time, not its launch time
-        loop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder), draw, state, cache,
-                          self.sync_every, self.cuda_graph and dev.type == "cuda")
+        loop.begin()
         recorder.step, loop.on_check = state.step, recorder.flush
         steps = 1 + loop.run(N - 1, visible=lambda i: min(P + i, S))
         recorder.flush()
-        self._check_finite_logprobs(logprobs)
-        out = self._collect(prompts, max_new, tokens, logprobs, params, recorder, capture)
+        self._check_finite_logprobs(state.logprobs)
+        out = self._collect(prompts, max_new, state.tokens, state.logprobs, params, recorder, capture)
         out.stats = {"prefill_s": prefill_s, "decode_s": time.perf_counter() - start - prefill_s,
                      "decode_steps": float(steps), "new_tokens": float(sum(len(r) for r in out.responses)),
                      "graph_steps": float(loop.graph_steps), "capture_s": loop.capture_s, "refills": 0.0}
         return out
+
+    def _decode_session(self, batch: int, length: int, max_new: int, prompt_len: int, capture: CaptureSpec | None,
+                        params: SamplingParams, n_stop: int) -> DecodeSession:
+        """The buffers, cache, recorder and decode loop of a static generate call: the kept session when this call
+        has its key, else a new one, kept (replacing the last) where decode steps replay as CUDA graphs. A kept
+        session's cache and record are GRAPH_LENGTH_STEP-rounded in length, so calls whose prompts differ a little
+        in length share it (the FP4 attention reads keys up to each query's own position only)."""
+        c, dev = self.config, self.device
+        keep = self._keeps_decode_graphs() and not (capture is not None and capture.stream_to_host)
+        max_len = min(-(-length // GRAPH_LENGTH_STEP) * GRAPH_LENGTH_STEP, c.max_seq_len) if keep else length
+        layout = self.record_layout(capture)
+        key = (batch, max_len, max_new, layout, capture is not None, params.temperature, params.top_k, params.top_p,
+               n_stop)
+        kept = self._session
+        if keep and kept is not None and kept.key == key:
+            return kept
+        self._session = None  # the last session's memory goes before the new one's is allocated
+        recorder = Recorder(layout, batch, max_len, c.n_layers, c.top_k, c.n_experts, dev, self.ops,
+                            ring=self._ring(capture, prompt_len))
+        recorder.kept = keep
+        recording = recorder if capture else None
+        hook, cache = self._hook(recording), self._cache(batch, max_len, recording)
+        keys = torch.zeros(batch, 2, dtype=torch.long, device=dev)
+        draw = functools.partial(sample, keys=keys, temperature=params.temperature, top_k=params.top_k,
+                                 top_p=params.top_p)
+        state = DecodeState.empty(batch, max_new, n_stop, dev)
+        loop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder), draw, state, cache,
+                          self.sync_every, self.cuda_graph and dev.type == "cuda")
+        session = DecodeSession(key, cache, recorder, hook, keys, state, loop)
+        if keep:
+            self._session = session
+        return session
+
+    def _keeps_decode_graphs(self) -> bool:
+        """Whether static generate calls keep their decode session for the next call (captured CUDA graphs)."""
+        return self.keep_decode_graph and self.cuda_graph and self.device.type == "cuda"
+
+    def release_decode_session(self) -> None:
+        """Free the kept decode session (its KV cache, record buffers and CUDA graph); the next call builds anew."""
+        self._session = None
 
     def _generate_continuous(self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
                              params: SamplingParams, capture: CaptureSpec | None, slots: int) -> RolloutBatch:
@@ -390,12 +434,15 @@ class Engine:
         for name, t in named_tensors.items():
             self._check_update(name, t)
         self._digests.update(tensor_digests(named_tensors, check_weights(named_tensors, "update_weights")))
+        moved = False
         for name, t in named_tensors.items():
             if name in self._fp4_weights:
                 module, key = self._fp4_weights[name]
-                module.set_weight(key, t.detach().to(self.device))
+                moved |= module.set_weight(key, t.detach().to(self.device))
             else:  # copy_ casts and moves in its one kernel
                 self._dense[name].copy_(t.detach())
+        if moved:  # a kept graph would read the weights' old addresses
+            self.release_decode_session()
         self.policy_version = int(version)
 
     def _check_update(self, name: str, t: Tensor) -> None:
