@@ -1,4 +1,5 @@
-"""tools/bench_fit_rollout.py on the simulator run's config: the standalone side does the fit's work, token for token."""
+"""tools/bench_fit_rollout.py on the simulator run's config: the standalone side does the fit's work, token for
+token."""
 
 from __future__ import annotations
 

@@ -75,6 +75,9 @@ class TraceConfig:
     """Kernel backend of the rollout engine: auto | triton | sim."""
     cuda_graph: bool = True
     """On GPU, replay the engine's decode step as a CUDA graph (false: eager steps, e.g. to profile)."""
+    keep_decode_graph: bool = True
+    """With cuda_graph: keep the captured decode step, its KV cache and record buffers between rollouts, so each
+    rollout replays from its first step (false: free them after every rollout, for memory training needs)."""
 
     def __post_init__(self) -> None:
         check_choice("trace.method", self.method, METHODS)

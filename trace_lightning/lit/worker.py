@@ -75,7 +75,8 @@ class RolloutWorker(L.LightningModule):
             self._engine = None  # free the old copy before making the new one
             precision = rollout_precision(self.method, self.trace)
             self._engine = Engine(engine_copy(self._policy).eval(), precision, backend=self.trace.backend,
-                                  cuda_graph=self.trace.cuda_graph, prefill_chunk=self.rollout_cfg.prefill_chunk)
+                                  cuda_graph=self.trace.cuda_graph, prefill_chunk=self.rollout_cfg.prefill_chunk,
+                                  keep_decode_graph=self.trace.keep_decode_graph)
             self._engine.policy_version = version
         return self._engine
 

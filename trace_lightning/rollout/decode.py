@@ -83,7 +83,7 @@ class DecodeLoop:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_steps = 0
         self.capture_s = 0.0
-        """Wall seconds spent capturing the graph (once per generate call; the fit's rollouts pay it every step)."""
+        """Wall seconds spent capturing the graph in this generate call (0 when a kept session's graph replays)."""
         self.on_check: Callable[[], None] = lambda: None
         """Called at every host check, before the done flags are read (the recorder flushes its ring there)."""
 
@@ -128,7 +128,7 @@ class DecodeLoop:
 
     def _capture(self) -> None:
         """Capture one step; the graph attends over the whole cache window (the mask hides the unwritten)."""
-        self.use_graph = False  # one try per generate call
+        self.use_graph = False  # one try per session
         self.cache.visible = self.cache.max_len
         start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
