@@ -6,9 +6,9 @@ on the device, so the loop only syncs with the host every ``sync_every`` steps t
 are done. Rows finish independently; a finished row keeps running (its outputs are ignored) with its
 position frozen at its last slot, so it never writes outside its own budget. On GPU the decode step is
 captured once and replayed as a CUDA graph, kept for the next call of the same shape (rollout/decode.py), and FP4
-layers attend on the packed cache directly (``fused_attention``). With ``max_batch`` below the number of prompts, generate decodes in that
-many slots and refills a slot with the next prompt when its sequence ends (continuous batching,
-rollout/slots.py), so long-tailed response lengths do not leave most of the batch idle.
+layers attend on the packed cache directly (``fused_attention``). With ``max_batch`` below the number of prompts,
+generate decodes in that many slots and refills a slot with the next prompt when its sequence ends (continuous
+batching, rollout/slots.py), so long-tailed response lengths do not leave most of the batch idle.
 
 The engine owns the model it is given: it converts it in place (FP4 modules, compute dtype).
 """
