@@ -11,10 +11,12 @@
 #      response lengths (tools/bench_fit_rollout.py): the in-fit >= 50% comparison at equal lengths;
 #   6. (part `methods`, not in `all`) bf16, fp4_qat and trace_compact from one shared warm start, RL_STEPS each
 #      (tools/run_methods.py, resumable: call it again on the same warm machine and it goes on where the last call's
-#      time limit stopped it); results.md's GPU section, its figures and the per-method JSON come back in $OUT.
+#      time limit stopped it); results.md's GPU section, its figures and the per-method JSON come back in $OUT;
+#   7. (part `frontier`, not in `all`) k3_kl against record bytes/token over the layer policies (tools/mismatch_table.py
+#      --policies) on the fit's checkpoint if the machine still holds it, else after a 300-step warm start.
 # The GPU image lacks jsonargparse, omegaconf and reasoning-gym (and its needs): they travel as wheels in .whl
 # (see .whl/README in the closing notes; `run(..., carry=[".whl"])`).
-# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench|methods]   (default 30 RL steps after 20 warm-start steps: the
+# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench|methods|frontier]   (default 30 RL steps after 20 warm-start steps: the
 # step-50 checkpoint conf/gpu.yaml saves is the one part 5 rolls out from)
 set -uo pipefail
 RL=${1:-30}
@@ -66,4 +68,11 @@ if [ "$PART" = methods ]; then
     --warmup-steps 300 --rl-steps "$RL" --out runs/methods_gpu --name gpu --machine "1x H200" 2>&1 \
     | tee "$OUT/methods.log" | grep "^{\|Error\|error" | tail -8
   mkdir -p "$OUT/methods" && cp runs/methods_gpu/*.json docs/results.md docs/figures/gpu_* "$OUT/methods/" 2>/dev/null
+fi
+if [ "$PART" = frontier ]; then
+  echo "## 7. the depth frontier of a GPU-trained small-moe (countdown), parity records over layer policies"
+  CKPT=$(ls runs/gpu/*/version_*/checkpoints/last.ckpt 2>/dev/null | head -1)
+  timeout 560 python3 tools/mismatch_table.py --preset small-moe --env countdown --device cuda --policies --steps 4 \
+    --prompts 64 --max-new-tokens 128 --json "$OUT/frontier.json" ${CKPT:+--checkpoint "$CKPT"} \
+    $([ -z "$CKPT" ] && echo --train-steps 300) 2>&1 | tee "$OUT/frontier.log" | grep "^#\|^| \|Error" | head -60
 fi

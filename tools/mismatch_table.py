@@ -24,7 +24,9 @@ a separate rollout batch and given the bytes of each deep:F, plus explicit shall
 not a policy kind, there to show whether the shallow layers' flips matter more than the deep ones').
 
 Run: python tools/mismatch_table.py --preset debug-moe [--steps N] [--json out.json] [--policies]
-     [--train-steps N] [--checkpoint PATH] [--seed S]
+     [--train-steps N] [--checkpoint PATH] [--seed S] [--env countdown] [--device cuda]
+With --device cuda the engines run the Triton kernels (bf16 compute) and the training forward the GPU's fp32: the
+frontier of a GPU-trained policy (e.g. the GPU fit's checkpoint, on its own task with --env countdown).
 """
 
 from __future__ import annotations
@@ -100,8 +102,10 @@ def warm_start(model: Transformer, tokenizer: Any, env: Env, steps: int, seed: i
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     model.train()
     loss = torch.tensor(float("nan"))
+    device = next(model.parameters()).device
     for step in range(steps):
-        tokens, mask, targets = demonstrations(tokenizer, env, env.sample(batch_size, seed=seed * 1_000_003 + step))
+        tokens, mask, targets = (t.to(device) for t in demonstrations(
+            tokenizer, env, env.sample(batch_size, seed=seed * 1_000_003 + step)))
         logits = model(tokens[:, :-1], attention_mask=mask[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].masked_fill(~targets, -100).flatten(),
                                ignore_index=-100)
@@ -155,13 +159,14 @@ class Rollouts:
 def pad_routes(routes: list[Tensor], width: int) -> list[Tensor]:
     """Per-sequence [L, T_b - 1, k] -> per layer (B, width, k), padded with expert ids 0..k-1."""
     n_layers, top_k = routes[0].shape[0], routes[0].shape[-1]
-    out = torch.arange(top_k).expand(n_layers, len(routes), width, top_k).clone()
+    out = torch.arange(top_k).expand(n_layers, len(routes), width, top_k).clone()  # on the host
     for b, r in enumerate(routes):
         out[:, b, : r.shape[1]] = r[:, :width].long()
     return list(out.unbind(0))
 
 
 def align(out: RolloutBatch, tokenizer: Any, env: Env, problems: list[Problem | None]) -> Rollouts:
+    """The batch for the training forward, on the engine's device (where its records are)."""
     seqs = [p + r for p, r in zip(out.prompts, out.responses, strict=True)]
     tokens, mask = pad_sequences(seqs, tokenizer.pad_id)
     width = tokens.shape[1] - 1
@@ -172,8 +177,10 @@ def align(out: RolloutBatch, tokenizer: Any, env: Env, problems: list[Problem | 
                                                                                    strict=False)]
     rewards = [env.score(q, tokenizer.decode([t for t in r if t < tokenizer.vocab_size]))
                for q, r in zip(problems, out.responses, strict=True) if q is not None]
-    return Rollouts(tokens, mask, response_targets([len(p) for p in out.prompts], [len(s) for s in seqs], width + 1),
-                    logprobs, pad_routes(out.routes, width), records, rewards)
+    device = out.route_table.device
+    return Rollouts(tokens.to(device), mask.to(device),
+                    response_targets([len(p) for p in out.prompts], [len(s) for s in seqs], width + 1).to(device),
+                    logprobs.to(device), [r.to(device) for r in pad_routes(out.routes, width)], records, rewards)
 
 
 # ---- what each row runs ----------------------------------------------------------------------------------
@@ -341,6 +348,7 @@ def record_bytes(v: Variant, batch: Rollouts) -> int:
 def measure(model: Transformer, row: Row, batch: Rollouts, fmt: FP4Format, temperature: float) -> None:
     """The training forward of row's variant over batch; adds its metrics to row."""
     v, valid = row.variant, batch.attention_mask[:, :-1]
+    row.mismatch.to(valid.device)
     inner, guide = training_hook(v, fmt, batch)
     hook = AgreementAudit(inner, fmt, batch.batch_record(), valid, guide) if v.rollout_fp4 else inner
     out = model(batch.tokens[:, :-1], attention_mask=valid, hook=hook, routed=batch.routes if v.route_replay else None,
@@ -398,13 +406,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the rows as a JSON list here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (tiny models run fastest on 1)")
+    p.add_argument("--env", default="arithmetic", help="the task the prompts come from (the policy's own, trained)")
+    p.add_argument("--device", default="cpu", help="cpu (the sim engines) or cuda (the Triton engines)")
     return p.parse_args(argv)
 
 
 def prepare_policy(args: argparse.Namespace) -> tuple[Transformer, Any, Env, float]:
     """The policy to measure (frozen), its tokenizer, the arithmetic env and the last warm-start loss (NaN: none)."""
     model, tokenizer = load_policy(args.preset, args.checkpoint)
-    env = make_env("arithmetic")
+    model = model.to(args.device)
+    env = make_env(args.env)
     loss = warm_start(model, tokenizer, env, args.train_steps, args.seed) if args.train_steps else float("nan")
     model.eval().requires_grad_(False)
     return model, tokenizer, env, loss
@@ -416,8 +427,9 @@ class Sampler:
     def __init__(self, model: Transformer, tokenizer: Any, env: Env, fmt: FP4Format, args: argparse.Namespace,
                  random_share: float) -> None:
         fp4 = FP4Precision(fmt=fmt.kind, mx_mode=fmt.mx_mode, compute_dtype=torch.bfloat16)
-        self.engines = {True: Engine(copy.deepcopy(model), fp4, backend="sim"),
-                        False: Engine(copy.deepcopy(model), "bf16", backend="sim")}
+        backend = "sim" if next(model.parameters()).device.type == "cpu" else "auto"
+        self.engines = {True: Engine(copy.deepcopy(model), fp4, backend=backend),
+                        False: Engine(copy.deepcopy(model), "bf16", backend=backend)}
         self.tokenizer, self.env, self.args, self.random_share = tokenizer, env, args, random_share
 
     def rollouts(self, fp4: bool, step: int) -> Rollouts:
@@ -454,8 +466,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     print(f"# {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), "
           f"{'checkpoint ' + args.checkpoint if args.checkpoint else 'random init'}, train steps {args.train_steps} "
           f"(last loss {loss:.3g}); {args.fmt} rollout in bf16, training fp32; {args.steps} x {args.prompts} prompts "
-          f"({share:.0%} random tokens), {n_tokens} FP4 response tokens, FP4 reward/mean "
-          f"{sum(rewards) / max(len(rewards), 1):.3f}; seed {args.seed}; {time.perf_counter() - start:.0f} s")
+          f"({share:.0%} random tokens, {args.env}), {n_tokens} FP4 response tokens, FP4 reward/mean "
+          f"{sum(rewards) / max(len(rewards), 1):.3f}; seed {args.seed}; {args.device}; "
+          f"{time.perf_counter() - start:.0f} s")
     if layer_audit:
         print("# auto ranking audit (fp4_qat code agreement per layer): "
               + ", ".join(f"{k}: {a:.4f}" for k, a in layer_audit.items()))
