@@ -242,3 +242,31 @@ def test_cuda_graph_kept_across_calls_and_a_weight_sync_equals_eager(base_model:
     assert again.stats["capture_s"] == 0.0 and again.stats["graph_steps"] == again.stats["decode_steps"] - 1
     assert again.responses == eager.responses
     assert_same_record(again.record, eager.record)
+
+
+@pytest.mark.slow  # the Triton engine under the interpreter: CI runs it in its slow pass
+def test_triton_kept_session_syncs_word_layout_weights_in_place(base_model: Transformer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton engine holding its weights as on CUDA (the kernels' word layout, tiles where the shape allows):
+    a weight sync writes the new words into the held tensors (the emulated replays check nothing moved), and the
+    kept session's next call gives what a fresh engine with those weights gives. CPU, under the interpreter."""
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA: test_cuda_graph_kept_across_calls_and_a_weight_sync_equals_eager")
+    from trace_lightning.kernels import layout
+    from trace_lightning.quant.words import WordNVFP4
+
+    monkeypatch.setattr(layout, "prefers_word_layout", lambda dtype, device, cache=False: True)
+    params = SamplingParams(max_new_tokens=[5, 3, 6], temperature=1.0, seed=4)  # a capture at step 3, 2 replays
+    kept = Engine(copy.deepcopy(base_model), FP32, backend="triton", cuda_graph=False)
+    held = [m.q[k] if isinstance(m.q, dict) else m.q for m, k in kept._fp4_weights.values()]
+    assert all(isinstance(q, WordNVFP4) for q in held) and {q.tiled for q in held} == {True, False}
+    keep_sessions(monkeypatch, kept)
+    kept.generate(PROMPTS[:3], params, capture=CaptureSpec())
+    torch.manual_seed(9)
+    other = Transformer(base_model.config).eval()
+    kept.update_weights({k: v.detach().clone() for k, v in other.state_dict().items()}, version=1)
+    again = kept.generate(PROMPTS[:3], params, capture=CaptureSpec())
+    assert again.stats["graph_steps"] == again.stats["decode_steps"] - 1
+    fresh = Engine(copy.deepcopy(other), FP32, backend="triton", cuda_graph=False)
+    assert kept.weight_checksums() == fresh.weight_checksums()
+    assert_same_rollout(again, fresh.generate(PROMPTS[:3], params, capture=CaptureSpec()))
