@@ -20,7 +20,7 @@ import torch
 from trace_lightning.model import Transformer
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, RolloutBatch, SamplingParams, sequence_seeds
 
-from .test_decode_graph import assert_same_rollout, emulate_graphs
+from .test_decode_graph import assert_same_rollout, emulate_graphs, keep_sessions
 
 PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 5, 6, 7, 8, 40, 41], [1, 70, 71], [2, 3], [1, 2, 3, 4, 5, 6], [9, 9, 9]]
 MAX_NEW = [9, 3, 12, 1, 6, 15, 4]
@@ -152,6 +152,31 @@ def test_refills_between_graph_replays(
     assert got.stats["graph_steps"] > 0 and got.stats["refills"] == want.stats["refills"] == len(PROMPTS) - 3
     assert got.stats["decode_steps"] == want.stats["decode_steps"]
     assert_same_rollout(got, want)
+
+
+def test_a_kept_slot_session_serves_the_next_call_across_a_weight_sync(
+    model: Transformer, base_model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Continuous batching keeps its decode session too (emulated graphs whose replays check no weight moved): the
+    next call, after a weight sync, loads its prompts into the same slot buffers, replays the slot step captured by
+    the first call across its refills, and gives what a fresh engine with the new weights gives."""
+    precision, params = FP4Precision(compute_dtype="fp32"), SamplingParams(max_new_tokens=MAX_NEW, seed=SEED)
+    kept = Engine(model, precision, cuda_graph=False, sync_every=2)
+    keep_sessions(monkeypatch, kept)
+    kept.generate(PROMPTS, params, capture=CaptureSpec(), max_batch=3)
+    session = kept._session
+    torch.manual_seed(9)
+    other = Transformer(base_model.config).eval()
+    kept.update_weights({k: v.detach().clone() for k, v in other.state_dict().items()}, version=1)
+    again_params = SamplingParams(max_new_tokens=MAX_NEW, seed=SEED + 1)
+    again = kept.generate(PROMPTS, again_params, capture=CaptureSpec(), max_batch=3)
+    assert kept._session is session and session is not None
+    assert again.stats["graph_steps"] == again.stats["decode_steps"] - 1 and again.stats["refills"] == len(PROMPTS) - 3
+    want = Engine(copy.deepcopy(other), precision, cuda_graph=False, sync_every=2).generate(
+        PROMPTS, again_params, capture=CaptureSpec(), max_batch=3
+    )
+    assert again.stats["decode_steps"] == want.stats["decode_steps"]
+    assert_same_rollout(again, want)
 
 
 @pytest.mark.gpu

@@ -155,6 +155,8 @@ class DecodeSession:
     recorder: Recorder
     hook: QuantHook | None
     keys: Tensor
-    """(B, 2) the sequences' sampling keys (rollout/sampling.py), copied in by each call."""
-    state: DecodeState
+    """(sequences, 2) their sampling keys (rollout/sampling.py), copied in by each call."""
+    state: Any
+    """DecodeState, or a SlotState (rollout/slots.py) when the call decodes in slots (continuous batching)."""
     loop: DecodeLoop
+    """The loop and its captured graph: a DecodeLoop, or its SlotLoop subclass."""

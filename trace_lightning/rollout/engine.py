@@ -68,11 +68,11 @@ class Engine:
     sequences come out as an unchunked prefill gives them (tests/rollout/test_prefill_chunks.py). None: one
     forward.
 
-    ``keep_decode_graph`` (with CUDA graphs on CUDA): a static generate call keeps its decode session (KV cache,
-    record buffers, captured step) for the next call of the same shape, which then replays from its first decode
-    step instead of running two eager steps and capturing (an RL fit's rollouts all have one shape). The price:
-    that cache and record stay allocated between calls (``release_decode_session`` frees them), and the record is
-    handed over as a copy. Continuous batching and records streamed to the host do not keep sessions."""
+    ``keep_decode_graph`` (with CUDA graphs on CUDA): a generate call keeps its decode session (KV cache, record
+    buffers, captured step) for the next call of the same shape, which then replays from its first decode step
+    instead of running two eager steps and capturing (an RL fit's rollouts all have one shape). The price: that
+    cache and record stay allocated between calls (``release_decode_session`` frees them), and the record is handed
+    over as a copy. Records streamed to the host are not kept."""
 
     def __init__(self, model: nn.Module, precision: FP4Precision | str = "bf16", *, backend: str = "auto",
                  sync_every: int = 8, fused_attention: bool | None = None, fused_norms: bool | None = None,
@@ -146,6 +146,7 @@ class Engine:
         stop_ids = list(params.stop_token_ids)
         session = self._decode_session(len(prompts), S, N, P, capture, params, len(stop_ids))
         recorder, hook, cache, state, loop = session.recorder, session.hook, session.cache, session.state, session.loop
+        assert isinstance(state, DecodeState)
         recorder.begin(S)
         session.keys.copy_(seed_keys(seeds, dev))
         lens_t, max_new_t = torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev)
@@ -167,39 +168,51 @@ class Engine:
         return out
 
     def _decode_session(self, batch: int, length: int, max_new: int, prompt_len: int, capture: CaptureSpec | None,
-                        params: SamplingParams, n_stop: int) -> DecodeSession:
-        """The buffers, cache, recorder and decode loop of a static generate call: the kept session when this call
-        has its key, else a new one, kept (replacing the last) where decode steps replay as CUDA graphs. A kept
-        session's cache and record are GRAPH_LENGTH_STEP-rounded in length, so calls whose prompts differ a little
-        in length share it (the FP4 attention reads keys up to each query's own position only)."""
+                        params: SamplingParams, n_stop: int, slots: int | None = None) -> DecodeSession:
+        """The buffers, cache, recorder and decode loop of a generate call of `batch` sequences (in `slots` decode
+        slots: continuous batching): the kept session when this call has its key, else a new one, kept (replacing
+        the last) where decode steps replay as CUDA graphs. A kept session's cache and record are
+        GRAPH_LENGTH_STEP-rounded in length, so calls whose prompts differ a little in length share it (the FP4
+        attention reads keys up to each query's own position only)."""
         c, dev = self.config, self.device
         keep = self._keeps_decode_graphs() and not (capture is not None and capture.stream_to_host)
         max_len = min(-(-length // GRAPH_LENGTH_STEP) * GRAPH_LENGTH_STEP, c.max_seq_len) if keep else length
         layout = self.record_layout(capture)
-        key = (batch, max_len, max_new, layout, capture is not None, params.temperature, params.top_k, params.top_p,
-               n_stop)
+        key = (batch, slots, max_len, max_new, layout, capture is not None, params.temperature, params.top_k,
+               params.top_p, n_stop)
         kept = self._session
         if keep and kept is not None and kept.key == key:
             return kept
         self._session = None  # the last session's memory goes before the new one's is allocated
-        recorder = Recorder(layout, batch, max_len, c.n_layers, c.top_k, c.n_experts, dev, self.ops,
+        recorder = Recorder(layout, batch, max_len, c.n_layers, c.top_k, c.n_experts, dev, self.ops, rows=slots,
                             ring=self._ring(capture, prompt_len))
         recorder.kept = keep
         recording = recorder if capture else None
-        hook, cache = self._hook(recording), self._cache(batch, max_len, recording)
-        keys = torch.zeros(batch, 2, dtype=torch.long, device=dev)
-        draw = functools.partial(sample, keys=keys, temperature=params.temperature, top_k=params.top_k,
-                                 top_p=params.top_p)
-        state = DecodeState.empty(batch, max_new, n_stop, dev)
-        loop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder), draw, state, cache,
-                          self.sync_every, self.cuda_graph and dev.type == "cuda")
+        hook, cache = self._hook(recording), self._cache(slots or batch, max_len, recording)
+        use_graph = self.cuda_graph and dev.type == "cuda"
+        sampling = functools.partial(sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        if slots is None:
+            state: DecodeState | SlotState = DecodeState.empty(batch, max_new, n_stop, dev)
+            keys = torch.zeros(batch, 2, dtype=torch.long, device=dev)
+            loop: DecodeLoop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder),
+                                          functools.partial(sampling, keys=keys), state, cache, self.sync_every,
+                                          use_graph)
+        else:
+            state = SlotState.empty(batch, max_new, slots, n_stop, dev)
+            slot_state, keys = state, state.keys
+
+            def slot_logits(tokens: Tensor, positions: Tensor) -> Tensor:
+                recorder.rows = slot_state.slot_seq
+                return self.decode_one_token(tokens, positions, cache, hook, recorder)
+
+            loop = SlotLoop(slot_logits, sampling, state, cache, self.sync_every, use_graph)
         session = DecodeSession(key, cache, recorder, hook, keys, state, loop)
         if keep:
             self._session = session
         return session
 
     def _keeps_decode_graphs(self) -> bool:
-        """Whether static generate calls keep their decode session for the next call (captured CUDA graphs)."""
+        """Whether generate calls keep their decode session for the next call (captured CUDA graphs)."""
         return self.keep_decode_graph and self.cuda_graph and self.device.type == "cuda"
 
     def release_decode_session(self) -> None:
@@ -209,16 +222,16 @@ class Engine:
     def _generate_continuous(self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
                              params: SamplingParams, capture: CaptureSpec | None, slots: int) -> RolloutBatch:
         """generate with `slots` decode slots: outputs and records by sequence, the KV cache by slot."""
-        c, n, dev = self.config, len(prompts), self.device
+        n, dev = len(prompts), self.device
         lens = [len(p) for p in prompts]
         S = max(m + k for m, k in zip(lens, max_new, strict=True))
-        recorder = Recorder(self.record_layout(capture), n, S, c.n_layers, c.top_k, c.n_experts, dev, self.ops,
-                            rows=slots, ring=self._ring(capture, max(lens)))
-        hook, cache = self._hook(recorder if capture else None), self._cache(slots, S, recorder if capture else None)
-        state = SlotState(torch.zeros(n, max(max_new), dtype=torch.long, device=dev),
-                          torch.zeros(n, max(max_new), dtype=torch.float32, device=dev), seed_keys(seeds, dev),
-                          torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev),
-                          torch.tensor(list(params.stop_token_ids), dtype=torch.long, device=dev), slots)
+        stop_ids = list(params.stop_token_ids)
+        session = self._decode_session(n, S, max(max_new), max(lens), capture, params, len(stop_ids), slots=slots)
+        recorder, hook, cache, state, loop = session.recorder, session.hook, session.cache, session.state, session.loop
+        assert isinstance(state, SlotState) and isinstance(loop, SlotLoop)
+        recorder.begin(S)
+        state.begin(seed_keys(seeds, dev), torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev),
+                    torch.tensor(stop_ids, dtype=torch.long, device=dev))
         prefill_s = 0.0
 
         def prefill(slot_ids: list[int], seqs: list[int], fresh: bool) -> Tensor:
@@ -231,13 +244,7 @@ class Engine:
             prefill_s += device_time(dev) - start
             return logits
 
-        def logits(tokens: Tensor, positions: Tensor) -> Tensor:
-            recorder.rows = state.slot_seq
-            return self.decode_one_token(tokens, positions, cache, hook, recorder)
-
-        draw = functools.partial(sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        loop = SlotLoop(logits, draw, state, cache, self.sync_every, self.cuda_graph and dev.type == "cuda", prefill,
-                        lens, max_new)
+        loop.load(prefill, lens, max_new)
         start = time.perf_counter()
         loop.on_check = recorder.flush
         steps = 1 + loop.run()

@@ -48,6 +48,27 @@ class SlotState:
         self.done = torch.ones(n, dtype=torch.bool, device=dev)  # an empty slot counts as done
         self.last = torch.zeros(n, 1, dtype=torch.long, device=dev)  # the token fed to each slot's next step
 
+    @classmethod
+    def empty(cls, n_seq: int, max_new: int, n_slots: int, n_stop: int, device: torch.device) -> SlotState:
+        """Buffers for n_seq sequences of up to max_new tokens in n_slots slots; begin() fills them."""
+        def ints(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        return cls(ints(n_seq, max_new), torch.zeros(n_seq, max_new, dtype=torch.float32, device=device),
+                   ints(n_seq, 2), ints(n_seq), ints(n_seq), ints(n_stop), n_slots)
+
+    def begin(self, keys: Tensor, lens: Tensor, max_new: Tensor, stop: Tensor) -> None:
+        """A generate call in these buffers: the sequences' sampling keys, prompt lengths and budgets, the stop ids;
+        every slot empty. Everything is copied in, nothing replaced (a captured step reads these tensors)."""
+        self.tokens.zero_()
+        self.logprobs.zero_()
+        for buffer, value in ((self.keys, keys), (self.lens, lens), (self.max_new, max_new), (self.stop, stop)):
+            buffer.copy_(value)
+        self.slot_seq.zero_()
+        self.step.fill_(1)
+        self.done.fill_(True)
+        self.last.zero_()
+
     def seat(self, slots: Tensor, seqs: Tensor, tok: Tensor, lp: Tensor) -> None:
         """Slots (k,) take sequences seqs (k,) with their step-0 token and logprob (sampled from the prefill)."""
         self.tokens[seqs, 0], self.logprobs[seqs, 0] = tok, lp
@@ -70,17 +91,21 @@ class SlotLoop(DecodeLoop):
         cache: KVCache,
         sync_every: int,
         use_graph: bool,
-        prefill: Prefill,
-        lens: list[int],
-        max_new: list[int],
     ) -> None:
         super().__init__(logits, draw, state, cache, sync_every, use_graph)  # type: ignore[arg-type]
+        self.load(lambda slots, seqs, fresh: torch.empty(0), [], [])
+
+    def load(self, prefill: Prefill, lens: list[int], max_new: list[int]) -> None:
+        """A generate call: its prompts' prefill, lengths and budgets (host copies), every prompt waiting; the
+        counters from zero (a captured graph stays)."""
+        self.begin()
         self.prefill, self.lens, self.max_new = prefill, lens, max_new
-        self.waiting = deque(range(len(lens)))
+        self.waiting = deque(range(len(self.lens)))
         self.refills = 0
+        n = self.state.n_slots
         # host bounds for the eager loop's attention window: the position each slot writes next, and its last
-        self.next_pos, self.last_pos = [0] * state.n_slots, [0] * state.n_slots
-        self.ends_at = [0] * state.n_slots  # host: the step before which each slot is done by length at the latest
+        self.next_pos, self.last_pos = [0] * n, [0] * n
+        self.ends_at = [0] * n  # host: the step before which each slot is done by length at the latest
 
     def step(self) -> None:
         """One decode step of every slot, device ops only; a done slot runs on (frozen) but writes no output."""
