@@ -114,6 +114,8 @@ CASES = {
                                            "BLOCK_K": 8192}),  # + the moe_down GEMM operand (bf16)
     "nvfp4_given": (_nvfp4_kernel, {"GLOBAL": 1, "DEQUANT": 0, "ONE_PASS": 1, "BLOCK_R": 1,
                                     "BLOCK_K": 8192}),  # a given global scale (weights)
+    "nvfp4_weight_words": (_nvfp4_kernel, {"GLOBAL": 1, "DEQUANT": 0, "ONE_PASS": 1, "BLOCK_R": 1, "BLOCK_K": 8192,
+                                           "WORDS": 1, "TILED": 1}),  # a weight sync's: the GEMMs' layout written
     "mxfp4_floor": (_mxfp4_kernel, {"RCEIL": 0, "BLOCK_R": 1, "BLOCK_K": 8192}),
     # the router's softmax + top-8 of 128 experts, as route_topk launches it (8 rows a program)
     "router": (_route_topk_kernel, {"SOFTMAX": 1, "NORMALIZE": 1, "TOP_K": 8, "BLOCK_K": 8, "ROWS": 8,
@@ -134,6 +136,8 @@ def main() -> None:
     for name in args.cases:
         fn, consts = CASES[name]
         consts = {"PDL": 0, **consts}  # plain launches unless --set PDL=1 (programmatic dependent launch)
+        if fn is _nvfp4_kernel:  # stored order unless the case says otherwise (constexprs, as launches pass them)
+            consts = {"WORDS": 0, "TILED": 0, **consts}
         for kv in args.set:
             key, value = kv.split("=")
             if key in consts:
