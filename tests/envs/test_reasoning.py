@@ -56,6 +56,30 @@ def test_sampling_reproducible_by_seed() -> None:
     assert len({p.metadata["index"] for p in a.sample(20, seed=11)}) == 20  # distinct problems
 
 
+def test_each_problem_is_built_once() -> None:
+    """reasoning-gym builds an item on every access (a countdown one in ~2.5 ms): the env builds each index once,
+    and what it hands out again is what it built (and what a fresh env builds)."""
+    env = make_env("countdown", size=200, seed=3)
+    built: list[int] = []
+    data = env.data
+
+    class Counting:
+        def __getitem__(self, index: int) -> object:
+            built.append(index)
+            return data[index]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(data, name)
+
+    env.data = Counting()
+    first = env.sample(30, seed=5)
+    again = env.sample(30, seed=5)
+    assert len(built) == len(set(built)) == 30 and all(a is b for a, b in zip(first, again, strict=True))
+    fresh = make_env("countdown", size=200, seed=3).sample(30, seed=5)
+    assert [(p.prompt, p.answer) for p in first] == [(p.prompt, p.answer) for p in fresh]
+    assert env.score(first[0], env.demonstration(first[0])) == 1.0
+
+
 def test_countdown_demonstration_and_wrong_answers() -> None:
     env = make_env("countdown", size=50)
     for p in env.sample(10, seed=0):

@@ -16,7 +16,9 @@ rounded down to 0 unless `partial_credit=True`, so the sim reward is exactly 0 o
 
 Problems are generated lazily by index: the env holds `size` problems fixed by `seed`, and
 `sample(n, seed)` draws n distinct indices from them. reasoning-gym seeds item i with seed + i, so a
-held-out env should use a seed at least `size` away from the training env's.
+held-out env should use a seed at least `size` away from the training env's. Each index is generated once and
+kept: reasoning-gym builds an item on every access, and a countdown item takes ~2.5 ms to build, which at 256
+demonstrations a warm-start step was most of a GPU step's host time.
 """
 
 from __future__ import annotations
@@ -103,9 +105,16 @@ class ReasoningGymEnv:
         self.partial_credit = partial_credit
         self.max_answer_chars = max_answer_chars
         self.data = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **dataset_kwargs)
+        self._made: dict[int, Problem] = {}
 
     def problem(self, index: int) -> Problem:
-        """The index-th problem of the dataset."""
+        """The index-th problem of the dataset (built on first use, then the same object)."""
+        made = self._made.get(index)
+        if made is None:
+            made = self._made[index] = self._build(index)
+        return made
+
+    def _build(self, index: int) -> Problem:
         entry = self.data[index]
         answer = entry["answer"].replace(" ", "") if self.answer_fmt.compact else entry["answer"]
         metadata = {
