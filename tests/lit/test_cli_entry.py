@@ -105,6 +105,11 @@ def test_fit_logs_its_scalars_and_validate_evaluates_its_checkpoint(tmp_path: Pa
                 "rollout/tokens_per_s", "train/tokens_per_s", "eval/accuracy", "eval/bf16_accuracy"):
         assert tag in logged and [step for step, _ in logged[tag]][-1] == 2, tag  # the one RL step (step 2)
     assert all(v == v and abs(v) != float("inf") for values in logged.values() for _, v in values)
+    # wall time: a step's whole span (logged when the next starts), and making its batch (warm-up or rollout)
+    assert [step for step, _ in logged["time/step_s"]] == [0, 1]
+    assert [step for step, _ in logged["time/batch_s"]] == [0, 1, 2]
+    rollout, batch = logged["time/rollout_s"][-1][1], logged["time/batch_s"][-1][1]
+    assert logged["time/step_s"][-1][1] >= batch >= rollout > 0  # step 1's span holds step 2's rollout
     k3 = logged["mismatch/k3_kl"][-1][1]
     assert 0.0 <= k3 < 1e-4  # guided FP4 training against its own FP4 rollout: logprob noise only
     (ckpt,) = run.glob("checkpoints/*.ckpt")

@@ -10,6 +10,7 @@ batches from the same task generators.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,10 @@ class RLDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module
         if batch.step != self.trainer.global_step:
             raise RuntimeError(f"step request {batch.step} arrived at trainer step {self.trainer.global_step}")
-        return self.demo_batch(batch.step) if module.in_warmup(batch.step) else self.rollout_batch(batch.step)
+        start = time.perf_counter()
+        made = self.demo_batch(batch.step) if module.in_warmup(batch.step) else self.rollout_batch(batch.step)
+        module.batch_s = time.perf_counter() - start  # the policy logs it as time/batch_s with the step's timings
+        return made
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(RolloutStream(self), batch_size=None, num_workers=0)

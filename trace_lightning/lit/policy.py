@@ -144,6 +144,9 @@ class PolicyModule(L.LightningModule):
             self, "worker", RolloutWorker(self.policy, self.tokenizer, self.method, self.trace, self.rollout_cfg)
         )
         self._eval_workers: dict[str, RolloutWorker] = {}
+        self.batch_s = 0.0
+        """Wall seconds the data module took to make this step's batch (problems, rollout, scoring, alignment)."""
+        self._last_step_start: float | None = None
 
     def setup(self, stage: str) -> None:
         """Take cpu_threads for this run only; teardown gives the process its thread count back."""
@@ -169,14 +172,21 @@ class PolicyModule(L.LightningModule):
                 batch.routes = [r.to(device) for r in value]
         return batch
 
+    def on_train_start(self) -> None:
+        self._last_step_start = None  # time/step_s spans steps of this fit only
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_start = device_time(self.device)
+        if self._last_step_start is not None:  # the whole previous step, wall clock: everything the others leave out
+            log_measured(self, {"time/step_s": self._step_start - self._last_step_start}, self.global_step - 1)
+        self._last_step_start = self._step_start
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """The optimizer step, then the step's training time (forward, backward, step; not rollout or sync)."""
         super().optimizer_step(*args, **kwargs)
         train_s = device_time(self.device) - self._step_start
-        metrics = {"time/train_s": train_s, "train/tokens_per_s": self._step_tokens / max(train_s, 1e-9)}
+        metrics = {"time/train_s": train_s, "train/tokens_per_s": self._step_tokens / max(train_s, 1e-9),
+                   "time/batch_s": self.batch_s}
         peak = peak_memory_gib(self.device)  # since the last step's: this step's rollout, sync and training
         if peak is not None:
             metrics["memory/peak_gib"] = peak
