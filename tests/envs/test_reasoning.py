@@ -102,3 +102,21 @@ def test_extract_answer_formats() -> None:
 def test_unknown_formats_rejected() -> None:
     with pytest.raises(ValueError, match="prompt format"):
         ReasoningGymEnv("chain_sum", size=5, prompt_format="latex")
+
+
+def test_the_held_out_env_draws_problems_training_never_draws() -> None:
+    """Evaluation's env is the same task from the next `size` item seeds: countdown problems from a disjoint range
+    (their (numbers, target) pairs never repeat training's here), scored the same way."""
+    train = make_env("countdown", size=300, seed=4)
+    held = train.held_out()
+    assert (held.size, held.seed, held.name) == (300, 304, "countdown")
+
+    def key(p: object) -> tuple:
+        md = p.metadata["rg_metadata"]  # type: ignore[attr-defined]
+        return tuple(md["numbers"]), md["target"]
+
+    seen = {key(train.problem(i)) for i in range(train.size)}
+    evaluated = held.sample(100, seed=10**9)
+    assert not seen & {key(p) for p in evaluated}
+    assert all(held.score(p, held.demonstration(p)) == 1.0 for p in evaluated[:10])
+    assert held.held_out().seed == 604 and held.sample(5, seed=1)[0].prompt != train.sample(5, seed=1)[0].prompt

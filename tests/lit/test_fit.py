@@ -229,3 +229,15 @@ def test_fit_through_the_triton_engine_syncs_exact_bytes_and_guides_exactly(tmp_
     assert 0.5 < acc.Scalars("agreement/own_codes")[0].value < 1.0  # unguided rounding differs: guidance works
     k3 = {e.step: e.value for e in acc.Scalars("mismatch/k3_kl")}
     assert sorted(k3) == [1, 2] and max(k3.values()) < 2e-5, k3  # step 1 guided by parity, step 2 by codes
+
+
+def test_validation_draws_from_the_held_out_env() -> None:
+    """The data module evaluates on its env's held-out twin (reasoning-gym: the next `size` item seeds), and on the
+    env itself where the task cannot split (guess_number)."""
+    data = RLDataModule(env="countdown", env_kwargs={"size": 100, "seed": 2}, eval_size=4)
+    assert (data.eval_env.seed, data.eval_env.size) == (102, 100)
+    (batch,) = list(data.val_dataloader())
+    training = {p.prompt for p in data.env.sample(100, seed=0)}  # the whole training pool
+    assert len(batch) == 4 and not training & {p.prompt for p in batch}
+    no_split = RLDataModule(env="guess_number")
+    assert no_split.eval_env is no_split.env

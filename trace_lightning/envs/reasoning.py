@@ -99,13 +99,21 @@ class ReasoningGymEnv:
         **dataset_kwargs: Any,
     ) -> None:
         self.name = dataset
-        self.size = size
+        self.size, self.seed = size, seed
+        self._settings = dict(dataset=dataset, prompt_format=prompt_format, answer_format=answer_format,
+                              partial_credit=partial_credit, max_answer_chars=max_answer_chars, **dataset_kwargs)
         self.prompt_fn = _lookup(PROMPT_FORMATS, prompt_format, "prompt format")
         self.answer_fmt = _lookup(ANSWER_FORMATS, answer_format, "answer format")
         self.partial_credit = partial_credit
         self.max_answer_chars = max_answer_chars
         self.data = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **dataset_kwargs)
         self._made: dict[int, Problem] = {}
+
+    def held_out(self) -> ReasoningGymEnv:
+        """The same task from the next `size` item seeds: problems this env never draws (reasoning-gym seeds item i
+        with seed + i), for evaluation. Where the task has few distinct problems (the sim's one-digit arithmetic:
+        200) the two still share problems by content."""
+        return ReasoningGymEnv(size=self.size, seed=self.seed + self.size, **self._settings)
 
     def problem(self, index: int) -> Problem:
         """The index-th problem of the dataset (built on first use, then the same object)."""

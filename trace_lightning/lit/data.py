@@ -65,6 +65,10 @@ class RLDataModule(L.LightningDataModule):
         """
         super().__init__()
         self.env: Env = make_env(env, **(env_kwargs or {}))
+        held_out = getattr(self.env, "held_out", None)
+        self.eval_env: Env = held_out() if callable(held_out) else self.env
+        """Where validation draws: problems training never draws, where the env can split (its held_out());
+        otherwise the training env itself."""
         self.demo_batch_size, self.eval_size, self.seed = demo_batch_size, eval_size, seed
 
     def _problems(self, n: int, step: int) -> list[Problem]:
@@ -109,8 +113,7 @@ class RLDataModule(L.LightningDataModule):
         return DataLoader(RolloutStream(self), batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        # Held-out problems: a seed range training never draws from.
-        problems = self.env.sample(self.eval_size, seed=10**9 + self.seed)
+        problems = self.eval_env.sample(self.eval_size, seed=10**9 + self.seed)
         # Lightning's DistributedSampler splits them across ranks; an uneven split would repeat problems.
         if self.trainer is not None:
             DataParallel.of(self.trainer.strategy).share(problems, "data.eval_size")

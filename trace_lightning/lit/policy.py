@@ -333,7 +333,7 @@ class PolicyModule(L.LightningModule):
         self._eval_hits: dict[str, list[float]] = {key: [] for key in self._eval}
 
     def validation_step(self, batch: list[Problem], batch_idx: int) -> None:
-        env = self.trainer.datamodule.env
+        env = self.trainer.datamodule.eval_env  # the held-out problems' env scores them
         for key, worker in self._eval.items():
             rows = worker.predict_step(batch, batch_idx)
             self._eval_hits[key].extend(env.score(p, row["response"]) for p, row in zip(batch, rows, strict=True))
