@@ -30,9 +30,11 @@ from trace_lightning.lit.cli import main as trace_cli
 from trace_lightning.rollout import RolloutBatch, sequence_seeds
 
 
-def build(configs: list[str], init_from: str | None, device: str) -> tuple[Any, Any]:
-    """The fit's PolicyModule and RLDataModule from its configs (no Trainer run, no run folder), on `device`."""
+def build(configs: list[str], init_from: str | None, device: str, overrides: list[str] = ()) -> tuple[Any, Any]:
+    """The fit's PolicyModule and RLDataModule from its configs and `KEY=VALUE` overrides (trace-rl's options, e.g.
+    model.rollout.prompts_per_step=8), no Trainer run, no run folder, on `device`."""
     args = [arg for config in configs for arg in ("--config", config)] + ["--trainer.logger", "false"]
+    args += [arg for kv in overrides for arg in (f"--{kv.split('=', 1)[0]}", kv.split("=", 1)[1])]
     if init_from:
         args += ["--model.init_from", init_from]
     cli = trace_cli(args, run=False)
@@ -88,8 +90,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="rollout steps (the first is left out of the means)")
     parser.add_argument("--fixed", action="store_true", help="also every row to max_new_tokens (bench_engine's shape)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a trace-rl option override")
     args = parser.parse_args()
-    module, data = build(args.config, args.init_from, args.device)
+    module, data = build(args.config, args.init_from, args.device, args.set)
     engine = module.worker.engine
     print(f"{engine.config.name} on {args.device} ({engine.ops.__name__}, precision {engine.precision}), "
           f"{module.rollout_cfg.prompts_per_step} x {module.rollout_cfg.group_size} rollouts, "
