@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trace_lightning.model import Transformer
-from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, memory
 from trace_lightning.rollout.capture import Recorder
 
 from .conftest import PROMPTS
@@ -71,3 +71,52 @@ def test_a_streamed_record_costs_the_device_its_ring_only(model: Transformer) ->
     assert streamed.records == recorder.ring.nbytes + recorder.ring_pos.nbytes + recorder.ring_row.nbytes
     assert streamed.host_records == kept.records == recorder.data.nbytes and kept.host_records == 0
     assert streamed.records < kept.records / 5  # 9 ring columns instead of 64 positions
+
+
+# ---- the measured workspace ------------------------------------------------------------------------------------
+def test_live_bytes_counts_what_a_block_allocates_and_holds_at_once() -> None:
+    """3 MiB at the peak: 1 + 2 MiB held together; a view adds nothing, and neither does storage from before the
+    block (a view or a product of a weight counts only as the new tensor it makes)."""
+    weight = torch.ones(256, 256)
+
+    def block() -> torch.Tensor:
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        b = torch.empty(2 << 20, dtype=torch.uint8)
+        kept, _ = b[:16], weight.t()
+        del a, b
+        torch.empty(1 << 20, dtype=torch.uint8)
+        return kept
+
+    assert memory.peak_transient_bytes(block, torch.device("cpu")) == 3 << 20
+    assert memory.peak_transient_bytes(lambda: weight @ weight, torch.device("cpu")) == weight.nbytes
+
+
+@pytest.mark.parametrize(("precision", "capture"), [("bf16", None), (FP4Precision(), CaptureSpec(mode="parity"))],
+                         ids=["bf16", "fp4-parity"])
+def test_workspace_is_a_forwards_measured_transient_memory(model: Transformer, precision: object,
+                                                          capture: CaptureSpec | None) -> None:
+    """Past its probe rows the extrapolated workspace is what a forward of that many rows measures (to the bytes of
+    a row's rounding), below them an upper bound; a plan with it counts the prefill's or a decode step's, whichever is
+    larger, and prefill chunks shrink it."""
+    engine = Engine(copy.deepcopy(model), precision, backend="sim", cuda_graph=False)
+    for rows, tokens in ((40, 16), (3, 16), (600, 1)):
+        measured = engine._measure_forward(rows, tokens, capture)
+        planned = engine.workspace_bytes(rows, tokens, capture)
+        assert planned >= measured > 0
+        if rows * tokens >= 512:
+            assert planned - measured <= rows  # the per-row slope is floored to whole bytes
+    plan = engine.memory_plan(40, 24, capture, prompt_len=16, workspace=True)
+    assert plan.workspace == max(engine.workspace_bytes(40, 16, capture), engine.workspace_bytes(40, 1, capture))
+    assert plan.total == engine.memory_plan(40, 24, capture).total + plan.workspace
+    chunked = Engine(copy.deepcopy(model), precision, backend="sim", cuda_graph=False, prefill_chunk=4)
+    assert chunked.memory_plan(40, 24, capture, prompt_len=16, workspace=True).workspace < plan.workspace
+
+
+def test_max_batch_with_the_workspace_is_the_largest_plan_within_the_budget(model: Transformer) -> None:
+    engine = Engine(copy.deepcopy(model), FP4Precision(), backend="sim", cuda_graph=False)
+    capture, budget, reserve = CaptureSpec(mode="parity"), 40 * 2**20, 2**20
+    n = engine.max_batch(128, budget, capture=capture, reserve_bytes=reserve, prompt_len=64, workspace=True)
+    assert 0 < n < engine.max_batch(128, budget, capture=capture, reserve_bytes=reserve)
+    plan = engine.memory_plan(n, 128, capture, prompt_len=64, workspace=True)
+    assert plan.total + reserve <= budget
+    assert engine.memory_plan(n + 1, 128, capture, prompt_len=64, workspace=True).total + reserve > budget

@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 
 GRAPH_LENGTH_STEP = 64
 """A kept decode session's cache length is the call's rounded up to a multiple of this."""
+WORKSPACE_PROBE_TOKENS = 256
+"""workspace_bytes measures forwards of at least this many positions (and 8 rows), where the row terms dominate."""
 
 
 class Engine:
@@ -125,6 +127,7 @@ class Engine:
         if prefill_chunk is not None and (not _is_integer(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        self._workspace: dict[tuple[int, RecordLayout | None], tuple[int, int, int]] = {}  # workspace_bytes' line
 
     # ---- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -412,22 +415,86 @@ class Engine:
         return memory.tensor_bytes(self.model, held)
 
     def memory_plan(self, batch: int, max_len: int, capture: CaptureSpec | None = None, *,
-                    max_batch: int | None = None, prompt_len: int | None = None) -> memory.MemoryPlan:
+                    max_batch: int | None = None, prompt_len: int | None = None,
+                    workspace: bool = False) -> memory.MemoryPlan:
         """What a generate call of `batch` sequences of up to `max_len` positions (prompt + new tokens) holds on
-        the device besides transient activations: weights, KV cache, the packed record, routes (and, with
-        max_batch slots, a refill's staging cache). A record streamed to the host (capture.stream_to_host) costs
-        the device a ring as long as the longest prompt (`prompt_len`, default max_len) or the check interval."""
+        the device: weights, KV cache, the packed record, routes (and, with max_batch slots, a refill's staging
+        cache), from shapes alone; with `workspace`, also its largest forward's transient bytes, measured
+        (workspace_bytes: the prefill of `prompt_len` positions, default max_len, in prefill_chunk pieces, or a
+        decode step). A record streamed to the host (capture.stream_to_host) costs the device a ring as long as the
+        longest prompt or the check interval."""
         fp4, layout = self.fp4, self.record_layout(capture)
         kv_fmt = fp4.activation_format if fp4 is not None and fp4.kv else None
-        return memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, kv_fmt,
-                           layout.width if layout is not None else 0, _slot_count(max_batch, batch),
-                           self._ring(capture, max_len if prompt_len is None else prompt_len))
+        slots, prompt = _slot_count(max_batch, batch), max_len if prompt_len is None else prompt_len
+        plan = memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, kv_fmt,
+                           layout.width if layout is not None else 0, slots, self._ring(capture, prompt))
+        if not workspace:
+            return plan
+        return dataclasses.replace(plan, workspace=self._call_workspace(slots, prompt, capture))
+
+    def _call_workspace(self, rows: int, prompt_len: int, capture: CaptureSpec | None) -> int:
+        """The larger of a prefill forward's (rows x one prefill chunk) and a decode step's workspace."""
+        return max(self.workspace_bytes(rows, tokens, capture) for tokens in self._forward_lengths(prompt_len))
+
+    def _forward_lengths(self, prompt_len: int) -> tuple[int, int]:
+        """The positions of a generate call's forwards: a prefill chunk and a decode step."""
+        return min(prompt_len, self.prefill_chunk or prompt_len), 1
+
+    def workspace_bytes(self, rows: int, tokens: int, capture: CaptureSpec | None = None) -> int:
+        """Transient device bytes of one forward of `rows` x `tokens` positions (a prefill chunk; tokens 1: a decode
+        step) with this capture's recording, logits at each row's last position included. Measured
+        (memory.peak_transient_bytes, each after an unmeasured forward that compiles and allocates what stays) at r
+        and 2r rows, r the rows of >= WORKSPACE_PROBE_TOKENS positions (at least 8), and extrapolated in the rows,
+        whose work is independent: the peak is the largest of a few terms linear in the rows, and past a few rows
+        the steepest dominates (the sim's per-call weight dequantization, say, only below that). Below r rows: the
+        r-row figure. Cached per (tokens, record layout)."""
+        r, at_r, per_row = self._workspace_line(tokens, capture)
+        return at_r + per_row * max(rows - r, 0)
+
+    def _workspace_line(self, tokens: int, capture: CaptureSpec | None) -> tuple[int, int, int]:
+        """(probe rows r, bytes at r rows, bytes per further row) of a forward of `tokens` positions."""
+        key = (tokens, self.record_layout(capture))
+        if key not in self._workspace:
+            r = max(8, -(-WORKSPACE_PROBE_TOKENS // tokens))
+            at_r, at_2r = (self._measure_forward(rows, tokens, capture) for rows in (r, 2 * r))
+            self._workspace[key] = (r, at_r, max(at_2r - at_r, 0) // r)
+        return self._workspace[key]
+
+    @torch.inference_mode()
+    def _measure_forward(self, rows: int, tokens: int, capture: CaptureSpec | None) -> int:
+        c, dev = self.config, self.device
+        recorder = Recorder(self.record_layout(capture), rows, tokens, c.n_layers, c.top_k, c.n_experts, dev, self.ops)
+        cache = self._cache(rows, tokens, recorder if capture else None)
+        hook = self._hook(recorder if capture else None)
+        ids = torch.full((rows, tokens), min(3, c.vocab_size - 1), dtype=torch.long, device=dev)
+        positions = torch.arange(tokens, device=dev).expand(rows, tokens)
+        last = torch.full((rows,), tokens - 1, device=dev)
+        cache.visible = tokens
+
+        def forward() -> Tensor:
+            return self._forward(ids, positions, cache, hook, recorder, logits_at=last)
+
+        forward()
+        return memory.peak_transient_bytes(forward, dev)
 
     def max_batch(self, max_len: int, budget_bytes: int, *, capture: CaptureSpec | None = None,
-                  reserve_bytes: int = 0) -> int:
-        """The largest batch whose memory_plan fits in budget_bytes with reserve_bytes left for activations."""
+                  reserve_bytes: int = 0, prompt_len: int | None = None, workspace: bool = False) -> int:
+        """The largest batch whose memory_plan fits in budget_bytes with reserve_bytes left; with `workspace`, the
+        plan's measured workspace (which grows with the batch: a prefill's rows) counted too."""
         one = self.memory_plan(1, max_len, capture)
-        return memory.largest_batch(one.total - one.weights, one.weights, budget_bytes, reserve_bytes)
+        per_sequence = one.total - one.weights
+        if not workspace:
+            return memory.largest_batch(per_sequence, one.weights, budget_bytes, reserve_bytes)
+        prompt = max_len if prompt_len is None else prompt_len
+        return min(self._largest_with(self._workspace_line(t, capture), per_sequence, one.weights, budget_bytes,
+                                      reserve_bytes) for t in self._forward_lengths(prompt))
+
+    @staticmethod
+    def _largest_with(line: tuple[int, int, int], per_sequence: int, weights: int, budget: int, reserve: int) -> int:
+        """The largest batch whose plan and the workspace `line` (workspace_bytes' terms) fit."""
+        r, at_r, per_row = line
+        n = memory.largest_batch(per_sequence + per_row, weights + at_r - per_row * r, budget, reserve)
+        return n if n >= r else min(r - 1, memory.largest_batch(per_sequence, weights + at_r, budget, reserve))
 
     # ---- weight sync ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -2,17 +2,22 @@
 
 Three things grow with the batch and stay for the whole call: the KV cache (FP4 or dense, per layer), the packed
 record of the captured (layer, site) pairs (one byte row per position, parity bits or codes as the capture asks)
-and the routes of every layer (uint8 ids). The weights are fixed. Everything else (a forward's activations, the
-sampler's logits) is transient and is budgeted as a reserve the caller chooses; the reserve's size is a measurement
-to make on the device, not derived.
+and the routes of every layer (uint8 ids). The weights are fixed. A forward's transient memory (activations, the
+kernels' buffers, the logits), its workspace, is measured rather than derived: the peak bytes a real forward of a
+few rows allocates beyond what it keeps (``peak_transient_bytes``: the CUDA allocator's peak on a GPU, the live
+tensors' bytes elsewhere), extrapolated in the rows, whose work is independent. A large prefill's workspace exceeded
+everything else on the GPU (48 layers, 131K prompt tokens: +16-20 GiB over the shapes' plan), so a plan counts it.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trace_lightning.guidance.compaction import site_bytes_per_token
 from trace_lightning.guidance.record import route_dtype
@@ -32,10 +37,12 @@ class MemoryPlan:
     """Continuous batching: the staging cache a refill prefills into (up to every slot's rows at once)."""
     host_records: int = 0
     """A record streamed to the host: its bytes there (pinned); ``records`` is then the device ring."""
+    workspace: int = 0
+    """The largest forward's transient bytes (the prefill's, or a decode step's), where measured."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.records + self.routes + self.refill_cache
+        return self.weights + self.kv_cache + self.records + self.routes + self.refill_cache + self.workspace
 
 
 def tensor_bytes(module: nn.Module, extra: list[torch.Tensor]) -> int:
@@ -81,3 +88,80 @@ def largest_batch(per_sequence: int, weights: int, budget: int, reserve: int) ->
     """The most sequences whose per-sequence bytes fit in budget - weights - reserve (0 when none fits)."""
     room = budget - weights - reserve
     return max(0, room // per_sequence) if per_sequence > 0 else 0
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak bytes of tensor storage that ops inside the block allocate and hold at once (a storage counts until
+    the last tensor on it dies). What a caching allocator must find, without its rounding or fragmentation: the CPU's
+    stand-in for torch.cuda.max_memory_allocated. Storage an op reads before any op made it existed before the block
+    (weights, caches): views of it are not new memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage pointer -> [tensors alive on it, bytes]
+        self._known: set[int] = set()
+
+    def __enter__(self) -> LiveBytes:
+        super().__enter__()
+        return self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's API)
+        inputs = _tensors((args, kwargs))
+        before = {id(t) for t in inputs}
+        self._known |= {key for t in inputs if t.device.type != "meta"
+                        and (key := t.untyped_storage().data_ptr()) not in self._refs}
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            if id(t) not in before:
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        entry = self._refs.get(key)
+        if entry is None:
+            if key in self._known:  # storage from before the block (a view of a weight, say): not this block's
+                return
+            entry = self._refs[key] = [0, storage.nbytes()]
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, list | tuple):
+        return [t for item in tree for t in _tensors(item)]
+    return []
+
+
+def peak_transient_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """The peak bytes fn allocates beyond what existed when it started (its result included while it lives):
+    the CUDA allocator's peak on a GPU, LiveBytes elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - base)
+    with LiveBytes() as live:
+        fn()
+    return live.peak
