@@ -5,7 +5,8 @@ Run: python tools/bench_engine.py --batch 8 --prompt-len 16 --new-tokens 64 --re
      python tools/bench_engine.py --preset qwen3-30b-a3b --device cuda --batch 0 --prompt-len 512 --new-tokens 16384 \
          --records-to-host        # 16K rollouts, each engine at its own largest batch
 Every row runs to max_new_tokens (no stop tokens); on CUDA each row also shows the device's peak memory beside the
-engine's memory plan (weights, KV cache, records, routes: the target is <= 1.15x plus a fixed amount). "tok/s"
+engine's memory plan (weights, KV cache, records, routes, and the measured workspace of its largest forward: the
+target is <= 1.15x plus a fixed amount). "tok/s"
 counts generated tokens over the whole generate call, prefill included (the device synchronized before the clock
 stops); "decode tok/s" the decode loop's alone (on a GPU the prefill's tail spills into it: the loop's first host
 check is where the device catches up). On the CPU the FP4 rows run the sim backend (the kernels' CPU twins, which
@@ -57,11 +58,13 @@ def random_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
-def largest_batch(engine: Engine, max_len: int, capture: CaptureSpec | None, reserve_gib: float) -> int:
-    """The engine's own largest batch (Engine.max_batch) in the device's free memory less reserve_gib."""
+def largest_batch(engine: Engine, max_len: int, prompt_len: int, capture: CaptureSpec | None,
+                  reserve_gib: float) -> int:
+    """The engine's own largest batch (Engine.max_batch, its measured workspace counted) in the device's free memory
+    less reserve_gib."""
     free = torch.cuda.mem_get_info()[0] if engine.device.type == "cuda" else 64 << 30
     return engine.max_batch(max_len, free + engine.weight_bytes(), capture=capture,
-                            reserve_bytes=int(reserve_gib * 2**30))
+                            reserve_bytes=int(reserve_gib * 2**30), prompt_len=prompt_len, workspace=True)
 
 
 def model_factory(preset: str, device: str, **overrides: object) -> Callable[[], Transformer]:
@@ -89,7 +92,7 @@ def model_factory(preset: str, device: str, **overrides: object) -> Callable[[],
 
 def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, batch: int, prompt_len: int,
           params: SamplingParams, repeats: int, capture: CaptureSpec | None, backend: str = "auto",
-          prefill_dense_from: int | None = None, reserve_gib: float = 8.0,
+          prefill_dense_from: int | None = None, reserve_gib: float = 2.0,
           prefill_chunk: int | None = None) -> dict[str, float]:
     """Best-of-repeats tokens/s of the whole call, decode-loop tokens/s and prefill ms, at `batch` (0: the engine's
     largest), with the device's peak memory against the engine's memory plan."""
@@ -97,7 +100,7 @@ def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, 
                     prefill_chunk=prefill_chunk)
     device = engine.device
     max_len = prompt_len + int(params.max_new_tokens)  # type: ignore[arg-type]
-    batch = batch or largest_batch(engine, max_len, capture, reserve_gib)
+    batch = batch or largest_batch(engine, max_len, prompt_len, capture, reserve_gib)
     prompts = random_prompts(batch, prompt_len, engine.config.vocab_size)
     engine.generate(prompts, SamplingParams(max_new_tokens=8), capture=capture)  # warm-up: compile, autotune
     best = {"batch": float(batch), "tok/s": 0.0, "decode tok/s": 0.0, "prefill ms": float("inf")}
@@ -114,8 +117,9 @@ def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, 
         best["decode tok/s"] = max(best["decode tok/s"], decoded / out.stats["decode_s"])
         best["prefill ms"] = min(best["prefill ms"], 1000 * out.stats["prefill_s"])
         del out
-    best["plan GiB"] = engine.memory_plan(batch, max_len, capture, prompt_len=prompt_len).total / 2**30
     best["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    plan = engine.memory_plan(batch, max_len, capture, prompt_len=prompt_len, workspace=True)  # measures: after peak
+    best["plan GiB"], best["workspace GiB"] = plan.total / 2**30, plan.workspace / 2**30
     return best
 
 
@@ -174,7 +178,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8, help="prompts per call; 0: each engine's own largest batch "
                         "(Engine.max_batch in the free device memory less --reserve-gib)")
-    parser.add_argument("--reserve-gib", type=float, default=8.0, help="with --batch 0: memory left for activations")
+    parser.add_argument("--reserve-gib", type=float, default=2.0,
+                        help="with --batch 0: memory left beyond the plan (its measured workspace included)")
     parser.add_argument("--record-layers", type=int, default=0, metavar="K",
                         help="the recording rows record the K deepest layers only (0: every layer); a 16K x 245 "
                              "rollout's parity records of all 48 layers would need ~570 GB of host memory")
@@ -214,8 +219,8 @@ def main() -> None:
         main_long_tail(make_model, prompts, args)
         return
     names = args.precision or (list(ON_GPU) if args.device.startswith("cuda") else list(PRECISIONS))
-    print("| precision | batch | tok/s (whole call) | decode tok/s | prefill ms | peak GiB | plan GiB |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
+    print("| precision | batch | tok/s (whole call) | decode tok/s | prefill ms | peak GiB | plan GiB "
+          "| of it workspace |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in names:
         dense_from = args.prefill_dense_from if isinstance(PRECISIONS[name], FP4Precision) else None
         capture = CAPTURES.get(name)
@@ -227,7 +232,7 @@ def main() -> None:
         r = bench(make_model, PRECISIONS[name], args.batch, args.prompt_len, params, args.repeats, capture,
                   args.backend, dense_from, args.reserve_gib, args.prefill_chunk)
         print(f"| {name} | {r['batch']:.0f} | {r['tok/s']:.0f} | {r['decode tok/s']:.0f} | {r['prefill ms']:.1f} | "
-              f"{r['peak GiB']:.2f} | {r['plan GiB']:.2f} |")
+              f"{r['peak GiB']:.2f} | {r['plan GiB']:.2f} | {r['workspace GiB']:.2f} |")
 
 
 if __name__ == "__main__":
