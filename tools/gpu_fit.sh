@@ -33,7 +33,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
     tests/kernels/test_one_definition.py tests/kernels/test_engine_backends.py tests/kernels/test_record_slot.py \
     tests/rollout/test_decode_graph.py tests/rollout/test_device_record.py tests/rollout/test_continuous.py \
-    tests/rollout/test_convert.py \
+    tests/rollout/test_convert.py tests/rollout/test_memory.py \
     2>&1 | tee "$OUT/pytest.log" | tail -6
 fi
 if [ "$PART" = all ] || [ "$PART" = fit ]; then

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trace_lightning.model import Transformer
-from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, memory
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams, memory
 from trace_lightning.rollout.capture import Recorder
 
 from .conftest import PROMPTS
@@ -120,3 +120,22 @@ def test_max_batch_with_the_workspace_is_the_largest_plan_within_the_budget(mode
     plan = engine.memory_plan(n, 128, capture, prompt_len=64, workspace=True)
     assert plan.total + reserve <= budget
     assert engine.memory_plan(n + 1, 128, capture, prompt_len=64, workspace=True).total + reserve > budget
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", FP4Precision(compute_dtype="bf16")], ids=["bf16", "fp4"])
+def test_a_generate_calls_peak_is_within_its_plan_on_cuda(base_model: Transformer, precision: object) -> None:
+    """issue 24's memory target on the real allocator: a call's peak above the memory held before it is at most 1.15x
+    its plan (less the weights, which are held already) plus a fixed 64 MiB."""
+    engine = Engine(copy.deepcopy(base_model).to("cuda"), precision, keep_decode_graph=False)
+    capture = CaptureSpec(mode="parity") if isinstance(precision, FP4Precision) else None
+    prompts, params = [p * 8 for p in PROMPTS], SamplingParams(max_new_tokens=32, temperature=1.0, seed=1)
+    engine.generate(prompts, params, capture=capture)  # compile, autotune
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = engine.generate(prompts, params, capture=capture)
+    peak = torch.cuda.max_memory_allocated() - base
+    max_len = max(len(p) for p in prompts) + 32
+    plan = engine.memory_plan(len(prompts), max_len, capture, prompt_len=max(len(p) for p in prompts), workspace=True)
+    assert out.responses and 0 < peak <= 1.15 * (plan.total - plan.weights) + (64 << 20)
