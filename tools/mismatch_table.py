@@ -161,7 +161,7 @@ def pad_routes(routes: list[Tensor], width: int) -> list[Tensor]:
     n_layers, top_k = routes[0].shape[0], routes[0].shape[-1]
     out = torch.arange(top_k).expand(n_layers, len(routes), width, top_k).clone()  # on the host
     for b, r in enumerate(routes):
-        out[:, b, : r.shape[1]] = r[:, :width].long()
+        out[:, b, : r.shape[1]] = r[:, :width].long().cpu()
     return list(out.unbind(0))
 
 
