@@ -27,7 +27,7 @@ import torch
 
 from trace_lightning.lit.callbacks import DepthSelectiveCompaction
 from trace_lightning.lit.cli import main as trace_cli
-from trace_lightning.rollout import RolloutBatch, sequence_seeds
+from trace_lightning.rollout import RolloutBatch
 
 
 def build(configs: list[str], init_from: str | None, device: str, overrides: list[str] = ()) -> tuple[Any, Any]:
@@ -54,8 +54,7 @@ def step_rows(module: Any, data: Any, step: int, fixed: bool) -> list[dict[str, 
     """The fit's rollout of `step` and the standalone engine at its lengths (and at max_new_tokens with --fixed)."""
     worker, r = module.worker, module.rollout_cfg
     worker.audit_next = False  # a typical step: the configured records, not an audit's full codes of every layer
-    problems = data.env.sample(r.prompts_per_step, seed=data.seed * 1_000_003 + step)  # as RLDataModule draws them
-    seeds = sequence_seeds(module.seed * 1_000_003 + step, len(problems) * r.group_size)
+    problems, seeds = data.step_rollouts(module, step)
     capture = worker.capture_spec()
     batch = worker.rollout(data.env, problems, seed=seeds)
     stats = batch.rollout_stats

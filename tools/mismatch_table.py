@@ -412,7 +412,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def prepare_policy(args: argparse.Namespace) -> tuple[Transformer, Any, Env, float]:
-    """The policy to measure (frozen), its tokenizer, the arithmetic env and the last warm-start loss (NaN: none)."""
+    """The policy to measure (frozen, on --device), its tokenizer, the --env task and the last warm-start loss (NaN:
+    none)."""
     model, tokenizer = load_policy(args.preset, args.checkpoint)
     model = model.to(args.device)
     env = make_env(args.env)

@@ -1,9 +1,9 @@
 """The one dispatch point between Triton kernels and their CPU twins, plus the FP4 KV cache layout.
 
 `backend_for(device, choice)` returns trace_lightning.kernels or trace_lightning.sim; both expose the same
-ops (quantize_nvfp4, quantize_nvfp4_rows, fake_quantize_nvfp4_rows, quantize_mxfp4, quantize_weight, pack_parity,
-fp4_linear, fp4_moe, kv_append, fp4_kv_attention, write_record_slot, rms_norm, rope, route_topk), so callers write
-`ops = backend_for(x.device, cfg.backend); ops.fp4_linear(x, w)`.
+ops (quantize_nvfp4, quantize_nvfp4_rows, fake_quantize_nvfp4_rows, quantize_mxfp4, quantize_weight, prepared_weight,
+pack_parity, fp4_linear, fp4_moe, kv_append, fp4_kv_attention, write_record_slot, rms_norm, rope, route_topk), so
+callers write `ops = backend_for(x.device, cfg.backend); ops.fp4_linear(x, w)`.
 Backends are imported lazily: this module needs only torch, so CPU-only code never loads Triton.
 """
 

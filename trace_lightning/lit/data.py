@@ -91,12 +91,18 @@ class RLDataModule(L.LightningDataModule):
         drawing every prompt would use: the ranks together sample exactly the one-process batch."""
         module = self.trainer.lightning_module
         dp, r = module.data_parallel, module.rollout_cfg
-        problems = self._problems(r.prompts_per_step, step)
-        seeds = sequence_seeds(module.seed * 1_000_003 + step, len(problems) * r.group_size)
+        problems, seeds = self.step_rollouts(module, step)
         groups = [seeds[i : i + r.group_size] for i in range(0, len(seeds), r.group_size)]
         mine = dp.share(groups, "model.rollout.prompts_per_step")
         problems = dp.share(problems, "model.rollout.prompts_per_step")
         return module.worker.rollout(self.env, problems, seed=[s for group in mine for s in group])
+
+    def step_rollouts(self, module: Any, step: int) -> tuple[list[Problem], list[int]]:
+        """The step's problems and a sampling seed for each of its rollouts (group_size a problem, consecutive), as
+        one process draws them for `module` (its seed and rollout settings)."""
+        r = module.rollout_cfg
+        problems = self._problems(r.prompts_per_step, step)
+        return problems, sequence_seeds(module.seed * 1_000_003 + step, len(problems) * r.group_size)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if not isinstance(batch, StepRequest):

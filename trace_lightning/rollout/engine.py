@@ -187,11 +187,8 @@ class Engine:
         if keep and kept is not None and kept.key == key:
             return kept
         self._session = None  # the last session's memory goes before the new one's is allocated
-        recorder = Recorder(layout, batch, max_len, c.n_layers, c.top_k, c.n_experts, dev, self.ops, rows=slots,
-                            ring=self._ring(capture, prompt_len))
+        recorder, hook, cache = self._call_buffers(capture, batch, max_len, slots, self._ring(capture, prompt_len))
         recorder.kept = keep
-        recording = recorder if capture else None
-        hook, cache = self._hook(recording), self._cache(slots or batch, max_len, recording)
         use_graph = self.cuda_graph and dev.type == "cuda"
         sampling = functools.partial(sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
         if slots is None:
@@ -213,6 +210,16 @@ class Engine:
         if keep:
             self._session = session
         return session
+
+    def _call_buffers(self, capture: CaptureSpec | None, batch: int, max_len: int, slots: int | None = None,
+                      ring: int = 0) -> tuple[Recorder, FP4ActivationHook | None, KVCache]:
+        """A call's recorder (records and routes by sequence), activation hook and KV cache (by decode row: `slots`
+        rows under continuous batching, else one a sequence), recording only when `capture` asks."""
+        c = self.config
+        recorder = Recorder(self.record_layout(capture), batch, max_len, c.n_layers, c.top_k, c.n_experts, self.device,
+                            self.ops, rows=slots, ring=ring)
+        recording = recorder if capture else None
+        return recorder, self._hook(recording), self._cache(slots or batch, max_len, recording)
 
     def _keeps_decode_graphs(self) -> bool:
         """Whether generate calls keep their decode session for the next call (captured CUDA graphs)."""
@@ -463,9 +470,7 @@ class Engine:
     @torch.inference_mode()
     def _measure_forward(self, rows: int, tokens: int, capture: CaptureSpec | None) -> int:
         c, dev = self.config, self.device
-        recorder = Recorder(self.record_layout(capture), rows, tokens, c.n_layers, c.top_k, c.n_experts, dev, self.ops)
-        cache = self._cache(rows, tokens, recorder if capture else None)
-        hook = self._hook(recorder if capture else None)
+        recorder, hook, cache = self._call_buffers(capture, rows, tokens)
         ids = torch.full((rows, tokens), min(3, c.vocab_size - 1), dtype=torch.long, device=dev)
         positions = torch.arange(tokens, device=dev).expand(rows, tokens)
         last = torch.full((rows,), tokens - 1, device=dev)
