@@ -154,7 +154,8 @@ def _tensors(tree: object) -> list[torch.Tensor]:
 
 def peak_transient_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """The peak bytes fn allocates beyond what existed when it started (its result included while it lives):
-    the CUDA allocator's peak on a GPU, LiveBytes elsewhere."""
+    the CUDA allocator's peak on a GPU (which this resets: read a call's own peak before measuring), LiveBytes
+    elsewhere."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
