@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from trace_lightning.guidance.record import tensor_digests
 from trace_lightning.model import MoEConfig, Transformer
 from trace_lightning.quant import FP4Format, fake_quantize, parse_format, quantize_mxfp4
 from trace_lightning.rollout import (
@@ -50,7 +51,7 @@ def test_checksums_agree_with_trainer_side_and_change_on_update(model: Transform
     named["norm.weight"] = named["norm.weight"] * 2
     with pytest.raises(WeightChecksumError, match="layers.1.moe.experts.w2"):
         engine.verify_weights(named)
-    engine.update_weights(named, version=7)
+    assert engine.update_weights(named, version=7) == tensor_digests(named)  # what WeightSync fingerprints
     after = engine.weight_checksums()
     assert engine.policy_version == 7
     assert after == fp4_weight_checksums(named, FP4Format("nvfp4"))

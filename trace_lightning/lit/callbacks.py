@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
-from trace_lightning.guidance.record import ModelIdentity, format_name, tensor_digests, weights_fingerprint
+from trace_lightning.guidance.record import ModelIdentity, format_name, weights_fingerprint
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.tensorboard import SITE_ORDER, agreement_heatmap, log_measured, write_layout
 from trace_lightning.quant import parse_format
@@ -44,9 +44,10 @@ class WeightSync(L.Callback):
         sync_s = 0.0
         for bucket in module.weight_buckets(self.bucket_mb << 20):
             start = device_time(module.device)
-            module.worker.sync(bucket, module.policy_version)
+            # the bucket's digests as the engine took them, in the same process from these very tensors: a second
+            # pass here could only agree, and it cost a reduction per tensor and a host sync per bucket a step
+            digests |= module.worker.sync(bucket, module.policy_version)
             sync_s += device_time(module.device) - start
-            digests |= tensor_digests(bucket)
             if audit:
                 ours |= fp4_weight_checksums(bucket, module.fmt, config=module.policy.config)
         # what records must come from until the next sync (CacheExchange), taken from the buckets already gathered:

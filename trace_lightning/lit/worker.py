@@ -84,8 +84,9 @@ class RolloutWorker(L.LightningModule):
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    def sync(self, named_tensors: Mapping[str, Tensor], version: int) -> None:
-        self.engine.update_weights(named_tensors, version)
+    def sync(self, named_tensors: Mapping[str, Tensor], version: int) -> dict[str, str]:
+        """Load the weights into the engine; -> their digests (Engine.update_weights)."""
+        return self.engine.update_weights(named_tensors, version)
 
     def weight_checksums(self) -> dict[str, str]:
         return self.engine.weight_checksums()

@@ -503,16 +503,20 @@ class Engine:
 
     # ---- weight sync ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, named_tensors: Mapping[str, Tensor], version: int) -> None:
+    def update_weights(self, named_tensors: Mapping[str, Tensor], version: int) -> dict[str, str]:
         """Load master weights by name (any subset of the model's state dict), re-quantizing the FP4 ones
         from exactly the tensors given; then set the policy version. All or nothing: every tensor (name,
-        shape, dtype, finite values) and the version are checked before anything changes."""
+        shape, dtype, finite values) and the version are checked before anything changes.
+
+        Returns the given tensors' digests (guidance/record.py `tensor_digests`), the ones `model_id` is now made
+        of: the trainer's side of the record identity, without a second pass over the same tensors."""
         if not _is_integer(version) or int(version) < self.policy_version:
             raise ValueError(f"update_weights: policy version {version!r} must be an integer >= the current "
                              f"{self.policy_version} (versions never go backwards)")
         for name, t in named_tensors.items():
             self._check_update(name, t)
-        self._digests.update(tensor_digests(named_tensors, check_weights(named_tensors, "update_weights")))
+        digests = tensor_digests(named_tensors, check_weights(named_tensors, "update_weights"))
+        self._digests.update(digests)
         moved = False
         for name, t in named_tensors.items():
             if name in self._fp4_weights:
@@ -523,6 +527,7 @@ class Engine:
         if moved:  # a kept graph would read the weights' old addresses
             self.release_decode_session()
         self.policy_version = int(version)
+        return digests
 
     def _check_update(self, name: str, t: Tensor) -> None:
         """The master shape from construction: reading it off an FP4 module would convert its weight from the
