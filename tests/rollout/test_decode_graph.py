@@ -226,6 +226,31 @@ def test_another_shape_or_no_keeping_builds_a_new_session(base_model: Transforme
     assert unkept._session is None
 
 
+def test_a_one_off_call_leaves_the_kept_session_to_the_next_call(base_model: Transformer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An audit-like call (another record layout) builds and frees its own session: the kept one stays, and the next
+    call replays every step on it; a one-off call of the kept shape uses it. Each gives what a fresh engine gives."""
+    rollout, audit = CaptureSpec(layers={1}), CaptureSpec()  # one layer recorded, and every layer
+    engine = Engine(copy.deepcopy(base_model), FP32, cuda_graph=False)
+    keep_sessions(monkeypatch, engine)
+    engine.generate(PROMPTS, PARAMS, rollout)
+    session = engine._session
+    assert session is not None
+
+    def fresh(capture: CaptureSpec) -> RolloutBatch:
+        return Engine(copy.deepcopy(base_model), FP32, cuda_graph=False).generate(PROMPTS, PARAMS, capture)
+
+    once = engine.generate(PROMPTS, PARAMS, audit, one_off=True)
+    assert engine._session is session and once.stats["graph_steps"] < once.stats["decode_steps"] - 1
+    assert_same_rollout(once, fresh(audit))
+    assert_same_record(once.record, fresh(audit).record)
+    for one_off in (False, True):
+        again = engine.generate(PROMPTS, PARAMS, rollout, one_off=one_off)
+        assert engine._session is session and again.stats["graph_steps"] == again.stats["decode_steps"] - 1
+        assert_same_rollout(again, fresh(rollout))
+        assert_same_record(again.record, fresh(rollout).record)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_kept_across_calls_and_a_weight_sync_equals_eager(base_model: Transformer) -> None:
     """The real thing on CUDA: the second call (after a weight sync) replays the first call's graph and samples

@@ -114,9 +114,10 @@ class RolloutWorker(L.LightningModule):
         seed: int | Sequence[int],
         greedy: bool = False,
         capture: CaptureSpec | None = None,
+        one_off: bool = False,
     ) -> RolloutBatch:
         return self.engine.generate(prompts, self.sampling_params(seed, greedy), capture=capture,
-                                    max_batch=self.rollout_cfg.max_batch)
+                                    max_batch=self.rollout_cfg.max_batch, one_off=one_off)
 
     def sampling_params(self, seed: int | Sequence[int], greedy: bool = False) -> SamplingParams:
         """How rollouts (greedy: evaluation and predict) sample: the rollout settings, ending at the EOS token."""
@@ -140,7 +141,9 @@ class RolloutWorker(L.LightningModule):
         prompts = [self.encode_prompt(p) for p in problems for _ in range(g)]
         capture = self.capture_spec()
         start = time.perf_counter()
-        out = self.generate(prompts, seed, capture=capture)
+        # an audit's capture (every layer's codes) is a shape of its own: the engine's kept decode session, the next
+        # rollout's, stays
+        out = self.generate(prompts, seed, capture=capture, one_off=self.audit_next)
         elapsed = time.perf_counter() - start
         texts = [self.decode_response(r) for r in out.responses]
         rewards = torch.tensor([env.score(problems[i // g], t) for i, t in enumerate(texts)], dtype=torch.float32)

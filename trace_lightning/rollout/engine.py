@@ -132,22 +132,26 @@ class Engine:
     # ---- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, capture: CaptureSpec | None = None, *,
-                 max_batch: int | None = None) -> RolloutBatch:
+                 max_batch: int | None = None, one_off: bool = False) -> RolloutBatch:
         """Sample a response per prompt; see RolloutBatch for what comes back and how rows align.
 
         max_batch: decode at most this many sequences at once (continuous batching, rollout/slots.py: a slot
         whose sequence ends takes the next prompt); None or >= len(prompts): all prompts as one static batch.
         A sequence's outputs depend on it no more than on the batch it shares (tests/rollout/test_continuous.py).
-        The KV cache then holds max_batch rows, the records (routes, captures) one row per prompt."""
+        The KV cache then holds max_batch rows, the records (routes, captures) one row per prompt.
+
+        one_off: a call of a shape the next calls will not repeat (an RL fit's audit rollout, every layer's codes):
+        it uses the kept decode session if it has this call's shape, else builds its own and frees it after,
+        leaving the kept session to the next call instead of replacing it (while it runs, both are allocated)."""
         prompts, max_new, seeds = self._validate(prompts, params)
         slots = _slot_count(max_batch, len(prompts))
         if slots < len(prompts):
-            return self._generate_continuous(prompts, max_new, seeds, params, capture, slots)
+            return self._generate_continuous(prompts, max_new, seeds, params, capture, slots, one_off)
         dev = self.device
         lens = [len(p) for p in prompts]
         P, N, S = max(lens), max(max_new), max(n + m for n, m in zip(lens, max_new, strict=True))
         stop_ids = list(params.stop_token_ids)
-        session = self._decode_session(len(prompts), S, N, P, capture, params, len(stop_ids))
+        session = self._decode_session(len(prompts), S, N, P, capture, params, len(stop_ids), one_off=one_off)
         recorder, hook, cache, state, loop = session.recorder, session.hook, session.cache, session.state, session.loop
         assert isinstance(state, DecodeState)
         recorder.begin(S)
@@ -171,10 +175,11 @@ class Engine:
         return out
 
     def _decode_session(self, batch: int, length: int, max_new: int, prompt_len: int, capture: CaptureSpec | None,
-                        params: SamplingParams, n_stop: int, slots: int | None = None) -> DecodeSession:
+                        params: SamplingParams, n_stop: int, slots: int | None = None,
+                        one_off: bool = False) -> DecodeSession:
         """The buffers, cache, recorder and decode loop of a generate call of `batch` sequences (in `slots` decode
         slots: continuous batching): the kept session when this call has its key, else a new one, kept (replacing
-        the last) where decode steps replay as CUDA graphs. A kept session's cache and record are
+        the last, unless `one_off`) where decode steps replay as CUDA graphs. A kept session's cache and record are
         GRAPH_LENGTH_STEP-rounded in length, so calls whose prompts differ a little in length share it (the FP4
         attention reads keys up to each query's own position only)."""
         c, dev = self.config, self.device
@@ -186,7 +191,10 @@ class Engine:
         kept = self._session
         if keep and kept is not None and kept.key == key:
             return kept
-        self._session = None  # the last session's memory goes before the new one's is allocated
+        if one_off:
+            keep, max_len = False, length
+        else:
+            self._session = None  # the last session's memory goes before the new one's is allocated
         recorder, hook, cache = self._call_buffers(capture, batch, max_len, slots, self._ring(capture, prompt_len))
         recorder.kept = keep
         use_graph = self.cuda_graph and dev.type == "cuda"
@@ -230,13 +238,15 @@ class Engine:
         self._session = None
 
     def _generate_continuous(self, prompts: list[list[int]], max_new: list[int], seeds: list[int],
-                             params: SamplingParams, capture: CaptureSpec | None, slots: int) -> RolloutBatch:
+                             params: SamplingParams, capture: CaptureSpec | None, slots: int,
+                             one_off: bool = False) -> RolloutBatch:
         """generate with `slots` decode slots: outputs and records by sequence, the KV cache by slot."""
         n, dev = len(prompts), self.device
         lens = [len(p) for p in prompts]
         S = max(m + k for m, k in zip(lens, max_new, strict=True))
         stop_ids = list(params.stop_token_ids)
-        session = self._decode_session(n, S, max(max_new), max(lens), capture, params, len(stop_ids), slots=slots)
+        session = self._decode_session(n, S, max(max_new), max(lens), capture, params, len(stop_ids), slots=slots,
+                                       one_off=one_off)
         recorder, hook, cache, state, loop = session.recorder, session.hook, session.cache, session.state, session.loop
         assert isinstance(state, SlotState) and isinstance(loop, SlotLoop)
         recorder.begin(S)
