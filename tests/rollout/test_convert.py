@@ -157,3 +157,45 @@ def test_fp4_modules_requantize_through_the_backends_quantizer() -> None:
     linear.set_weight("weight", w * 2)
     experts.set_weight("w2", w2 * 2)
     assert calls[3:] == [((32, 64), bf16), ((4, 32, 32), bf16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_experts_run_the_models_grouped_path_with_no_host_read_back(dtype: torch.dtype) -> None:
+    """MXFP4 experts (dequantized once) and large NVFP4 prefills (dequantized for the call) run the model's grouped
+    experts on those values, equal to the model's reference loop over the dequantized weights. MXFP4's, which
+    decode steps run, has no op that reads the device back (unique, nonzero, item), which a CUDA graph could not
+    hold (a prefill is not captured: its dequantization checks the codes on the host)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trace_lightning import sim
+    from trace_lightning.model.model import Experts
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    config = MoEConfig(dim=64, moe_intermediate=32, n_experts=8, top_k=2)
+    gen = torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(8, 64, 64, generator=gen) * 0.1, torch.randn(8, 64, 32, generator=gen) * 0.1
+    x = torch.randn(2, 5, 64, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(10)]).view(2, 5, 2)
+    gates = torch.rand(2, 5, 2, generator=gen).to(dtype)
+    for fmt, dense_from in (("mxfp4", None), ("nvfp4", 1)):
+        experts = FP4Experts(w13, w2, config=config, layer=0, fmt=parse_format(fmt).for_weights(), ops=sim,
+                             compute_dtype=dtype)
+        experts.dense_from = dense_from
+        with Ops() as seen:
+            y = experts(x, ids, gates)
+        read_back = seen.names & {"_unique2", "unique_dim", "nonzero", "_local_scalar_dense"}
+        assert "_grouped_mm" in seen.names and (fmt == "nvfp4" or not read_back), seen.names
+        reference = Experts(config, layer=0)
+        with torch.no_grad():
+            for key, q in experts.quantized().items():
+                getattr(reference, key).copy_(q.dequantize(torch.float32))
+        expected = reference.to(dtype).forward_reference(x, ids, gates)
+        torch.testing.assert_close(y, expected, rtol=0, atol=1e-5 if dtype == torch.float32 else 2e-2)

@@ -211,6 +211,29 @@ def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, use_grouped_mm: bool = 
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 
 
+def grouped_experts(x: Tensor, ids: Tensor, gates: Tensor, w13: Tensor, w2: Tensor, hook: QuantHook | None = None,
+                    layer: int = 0, use_grouped_mm: bool = True) -> Tensor:
+    """SwiGLU experts w13 [E, 2I, D], w2 [E, D, I] on x (B, T, D) routed by ids and gates (B, T, K) -> (B, T, D):
+    token-expert pairs sorted by expert, one grouped GEMM each (nothing read back to the host on the grouped path);
+    the hook's activation sees moe_down in canonical pair order (token-major, then top-k slot)."""
+    (B, T, D), K, I = x.shape, ids.shape[-1], w2.shape[-1]
+    flat = ids.reshape(-1)  # (N*K,) canonical order: token-major, then top-k slot
+    order = flat.argsort(stable=True)  # (N*K,) canonical pair index, in expert order
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    # (E,) counts by scatter_add: CUDA bincount reads its max back to the host, which a CUDA graph cannot hold
+    counts = torch.zeros(w13.shape[0], dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    xs = x.reshape(-1, D)[order // K]  # (N*K, D)
+    gate, up = grouped_linear(xs, w13, counts, use_grouped_mm).chunk(2, dim=-1)
+    h = F.silu(gate) * up  # (N*K, I) expert order
+    if hook is not None:
+        h = hook.activation(h[inverse].view(B, T, K, I), layer=layer, site="moe_down")
+        h = h.reshape(-1, I)[order]
+    y = grouped_linear(h, w2, counts, use_grouped_mm)[inverse].view(B, T, K, D)  # canonical order
+    return (y * gates[..., None]).sum(dim=2)  # (B, T, D), slots summed in top-k order
+
+
 class Experts(nn.Module):
     """E stacked SwiGLU experts: w13 [E, 2I, D] (gate rows, then up rows) and w2 [E, D, I]."""
 
@@ -230,23 +253,8 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None = None) -> Tensor:
         """Grouped path: x (B, T, D), ids and gates (B, T, K) -> (B, T, D). Token-expert pairs sorted by expert."""
-        (B, T, D), K, I = x.shape, ids.shape[-1], self.config.moe_intermediate
         w13, w2 = self._weights(hook)
-        flat = ids.reshape(-1)  # (N*K,) canonical order: token-major, then top-k slot
-        order = flat.argsort(stable=True)  # (N*K,) canonical pair index, in expert order
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        # (E,) counts by scatter_add: CUDA bincount reads its max back to the host, which a CUDA graph cannot hold
-        counts = torch.zeros(self.config.n_experts, dtype=torch.long, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
-        xs = x.reshape(-1, D)[order // K]  # (N*K, D)
-        gate, up = grouped_linear(xs, w13, counts, self.use_grouped_mm).chunk(2, dim=-1)
-        h = F.silu(gate) * up  # (N*K, I) expert order
-        if hook is not None:
-            h = hook.activation(h[inverse].view(B, T, K, I), layer=self.layer, site="moe_down")
-            h = h.reshape(-1, I)[order]
-        y = grouped_linear(h, w2, counts, self.use_grouped_mm)[inverse].view(B, T, K, D)  # canonical order
-        return (y * gates[..., None]).sum(dim=2)  # (B, T, D), slots summed in top-k order
+        return grouped_experts(x, ids, gates, w13, w2, hook, self.layer, self.use_grouped_mm)
 
     def forward_reference(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None = None) -> Tensor:
         """Plain loop over all experts with boolean masks; the grouped path must match it."""

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from trace_lightning.model.config import MoEConfig
 from trace_lightning.model.hooks import QuantHook
-from trace_lightning.model.model import Experts, Linear
+from trace_lightning.model.model import Experts, Linear, grouped_experts
 from trace_lightning.quant import NVFP4, BlockFP4, FP4Format, parse_format, quantize_weight
 from trace_lightning.quant.words import canonical
 from trace_lightning.rollout.capture import FP4ActivationHook
@@ -189,20 +189,9 @@ class FP4Experts(nn.Module):
 
     def _forward_dense(self, x: Tensor, ids: Tensor, gates: Tensor, hook: QuantHook | None,
                        dense: dict[str, Tensor]) -> Tensor:
-        """Dequantized weights, experts looped over the ones some token picked; the hook sees moe_down."""
-        (B, T, D), K, I = x.shape, ids.shape[-1], self.config.moe_intermediate
-        xs, flat = x.reshape(-1, D), ids.reshape(-1)  # (N, D), (N*K,) token-major pairs
-        pairs_of = [(e, (flat == e).nonzero().squeeze(1)) for e in flat.unique().tolist()]
-        h = x.new_zeros(B * T * K, I)
-        for e, pairs in pairs_of:
-            gate, up = F.linear(xs[pairs // K], dense["w13"][e]).chunk(2, dim=-1)
-            h[pairs] = F.silu(gate) * up
-        if hook is not None:
-            h = hook.activation(h.view(B, T, K, I), layer=self.layer, site="moe_down").reshape(-1, I)
-        y = x.new_zeros(B * T * K, D)
-        for e, pairs in pairs_of:
-            y[pairs] = F.linear(h[pairs], dense["w2"][e])
-        return (y.view(B, T, K, D) * gates[..., None]).sum(dim=2)
+        """Dequantized weights through the model's own grouped experts (one grouped GEMM each, no host read-back,
+        so it stays capturable); the hook sees moe_down."""
+        return grouped_experts(x, ids, gates, dense["w13"], dense["w2"], hook, self.layer)
 
 
 FP4Module = FP4Linear | FP4Experts
