@@ -9,6 +9,7 @@ same quantizer the trainer's QAT uses and keeps the FP4 byte checksums for the a
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -129,9 +130,16 @@ class RolloutWorker(L.LightningModule):
         return [self.tokenizer.bos_id, *self.tokenizer.encode(problem.prompt)]
 
     def decode_response(self, response: list[int]) -> str:
-        """Text of a response; ids past the tokenizer's vocabulary (the model's is larger) read as '?'."""
+        """Text of a response, decoded in runs: token by token would drop a sentencepiece tokenizer's word spaces
+        and split UTF-8 characters that span tokens. Ids past the tokenizer's vocabulary (the model's is larger)
+        read as '?'."""
         tok = self.tokenizer
-        return "".join("?" if t >= tok.vocab_size else tok.decode([t]) for t in response if t != tok.eos_id)
+        parts = []
+        kept = (t for t in response if t != tok.eos_id)
+        for outside, run in itertools.groupby(kept, key=lambda t: t >= tok.vocab_size):
+            ids = list(run)
+            parts.append("?" * len(ids) if outside else tok.decode(ids))
+        return "".join(parts)
 
     def rollout(self, env: Env, problems: list[Problem], seed: int | Sequence[int]) -> TrainBatch:
         """Sample group_size responses per problem, score them and align everything for training.
