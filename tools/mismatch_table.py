@@ -89,7 +89,7 @@ def load_policy(preset: str, checkpoint: str | None) -> tuple[Transformer, Any]:
 
 def demonstrations(tokenizer: Any, env: Env, problems: list[Problem]) -> tuple[Tensor, Tensor, Tensor]:
     """Prompt + target + EOS, right-padded: tokens (B, T), attention mask (B, T), target mask (B, T-1)."""
-    prompts = [[tokenizer.bos_id, *tokenizer.encode(p.prompt)] for p in problems]
+    prompts = [tokenizer.encode_prompt(p.prompt) for p in problems]
     seqs = [p + tokenizer.encode(env.demonstration(q)) + [tokenizer.eos_id] for p, q in zip(prompts, problems,
                                                                                              strict=True)]
     tokens, mask = pad_sequences(seqs, tokenizer.pad_id)
@@ -121,7 +121,7 @@ def make_prompts(tokenizer: Any, env: Env, n: int, seed: int, random_share: floa
     """n prompts: arithmetic problems from a seed range training never draws from, then random-token ones."""
     n_random = round(n * random_share)
     problems: list[Problem | None] = list(env.sample(n - n_random, seed=10**9 + seed))
-    prompts = [[tokenizer.bos_id, *tokenizer.encode(p.prompt)] for p in problems if p is not None]
+    prompts = [tokenizer.encode_prompt(p.prompt) for p in problems if p is not None]
     rng = random.Random(seed)
     prompts += [[tokenizer.bos_id, *(rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(4, 12)))]
                 for _ in range(n_random)]

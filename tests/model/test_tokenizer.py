@@ -57,3 +57,67 @@ def test_load_tokenizer_errors(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{broken")
     with pytest.raises(ValueError, match="cannot read tokenizer"):
         load_tokenizer(tmp_path)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+INST = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+        "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def write_chat_tokenizer(folder: Path, template: object, as_file: bool = False) -> None:
+    """A byte-level BPE tokenizer with ChatML's special tokens (as Qwen's) and a chat template."""
+    from tokenizers import decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(["user assistant: what is 3 + 4? [INST] answer [/INST]"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    config: dict[str, object] = {"bos_token": "<s>", "eos_token": "</s>"}
+    if as_file:
+        (folder / "chat_template.jinja").write_text(str(template))
+    elif template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("template, as_file", [(CHATML, False), (INST, True),
+                                               ([{"name": "tool_use", "template": "x"},
+                                                 {"name": "default", "template": CHATML}], False)],
+                         ids=["chatml", "inst-jinja-file", "named-list"])
+def test_prompts_render_as_transformers_renders_the_chat_template(tmp_path: Path, template: object,
+                                                                  as_file: bool) -> None:
+    """The ids of a prompt are transformers' apply_chat_template ids (one user turn, generation prompt), special
+    tokens included; without the template (chat_template=False) bos + the text."""
+    from transformers import AutoTokenizer
+
+    write_chat_tokenizer(tmp_path, template, as_file)
+    text = "what is 3 + 4?"
+    ours = load_tokenizer(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    expected = theirs.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                          add_generation_prompt=True)["input_ids"]
+    assert ours.encode_prompt(text) == expected
+    specials = {ours.tok.token_to_id(t) for t in ("<s>", "<|im_start|>")}
+    assert specials & set(ours.encode_prompt(text))  # the template's special tokens are tokens, not their text
+    plain = load_tokenizer(tmp_path, chat_template=False)
+    assert plain.encode_prompt(text) == [ours.bos_id, *ours.encode(text)]
+
+
+def test_chat_template_errors_name_the_problem(tmp_path: Path) -> None:
+    write_chat_tokenizer(tmp_path, None)
+    assert load_tokenizer(tmp_path).chat_template is None
+    with pytest.raises(ValueError, match="chat_template is true but .* has none"):
+        load_tokenizer(tmp_path, chat_template=True)
+    write_chat_tokenizer(tmp_path, 42)
+    with pytest.raises(ValueError, match="chat_template must be a string or a list"):
+        load_tokenizer(tmp_path)
+    write_chat_tokenizer(tmp_path, "{{ raise_exception('system messages only') }}")
+    with pytest.raises(ValueError, match="the chat template failed on a prompt: .*system messages only"):
+        load_tokenizer(tmp_path).encode_prompt("hi")
+    write_chat_tokenizer(tmp_path, "{% for %}")
+    with pytest.raises(ValueError, match="the chat template failed"):
+        load_tokenizer(tmp_path).encode_prompt("hi")

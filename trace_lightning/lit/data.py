@@ -78,7 +78,7 @@ class RLDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module
         tok = module.tokenizer
         problems = module.data_parallel.share(self._problems(self.demo_batch_size, step), "data.demo_batch_size")
-        prompts = [[tok.bos_id, *tok.encode(p.prompt)] for p in problems]
+        prompts = [module.worker.encode_prompt(p) for p in problems]  # as the rollouts see them
         seqs = [
             p + tok.encode(self.env.demonstration(q)) + [tok.eos_id] for p, q in zip(prompts, problems, strict=True)
         ]

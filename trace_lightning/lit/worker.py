@@ -127,7 +127,7 @@ class RolloutWorker(L.LightningModule):
                               top_k=r.top_k, top_p=r.top_p, seed=seed, stop_token_ids=[self.tokenizer.eos_id])
 
     def encode_prompt(self, problem: Problem) -> list[int]:
-        return [self.tokenizer.bos_id, *self.tokenizer.encode(problem.prompt)]
+        return self.tokenizer.encode_prompt(problem.prompt)
 
     def decode_response(self, response: list[int]) -> str:
         """Text of a response, decoded in runs: token by token would drop a sentencepiece tokenizer's word spaces

@@ -1,5 +1,9 @@
 """Tokenizers behind one small interface: a built-in character tokenizer for the CPU simulator tasks
 (fits debug-moe's 128-token vocab, needs no files) and a wrapper over a local ``tokenizer.json``.
+
+A task prompt becomes ids through ``encode_prompt``: a checkpoint's chat template, where it has one, renders it as
+a user turn followed by the assistant's generation prompt (how instruct models were trained to read a request, and
+what RL frameworks feed them); otherwise bos + the text.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from trace_lightning.model.hf import read_json_file
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 MAX_TOKENIZER_BYTES = 1 << 30
+MAX_TEMPLATE_BYTES = 1 << 20
 
 
 class Tokenizer(Protocol):
@@ -24,6 +29,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]: ...
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str: ...
+
+    def encode_prompt(self, text: str) -> list[int]: ...
 
 
 class CharTokenizer:
@@ -45,6 +52,10 @@ class CharTokenizer:
             ids.append(self._ids[ch])
         return ids + [self.eos_id] if eos else ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """bos + the text."""
+        return self.encode(text, bos=True)
+
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         out = []
         for i in ids:
@@ -58,9 +69,13 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` from a local file; specials from tokenizer_config.json when it is beside it."""
+    """A ``tokenizers.Tokenizer`` from a local file; specials and the chat template from tokenizer_config.json (or
+    chat_template.jinja) when beside it.
 
-    def __init__(self, path: str | Path) -> None:
+    chat_template: render prompts with the chat template (True: one must exist), never (False), or where there is
+    one (None)."""
+
+    def __init__(self, path: str | Path, chat_template: bool | None = None) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         path = Path(path)
@@ -74,6 +89,13 @@ class HFTokenizer:
         pad = self._id(specials.get("pad_token"), (PAD, "<unk>"))
         self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.specials = specials
+        template = _chat_template(file.parent) if chat_template is not False else None
+        if chat_template and template is None:
+            raise ValueError(f"chat_template is true but {file.parent} has none (no 'chat_template' in "
+                             "tokenizer_config.json, no chat_template.jinja)")
+        self.chat_template: str | None = template
+        self._chat: Any = None
 
     def _id(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
         for token in (configured, *fallbacks):
@@ -95,6 +117,26 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The chat template's user turn holding `text` and the generation prompt (special tokens in the rendered
+        text read as themselves); without a template, bos (if any) + the text."""
+        if self.chat_template is None:
+            return self.encode(text, bos=self.bos_id is not None)
+        return self.encode(self.render_prompt(text))
+
+    def render_prompt(self, text: str) -> str:
+        """The chat template rendered for one user message, ending where the assistant's reply begins (Hugging
+        Face's own sandboxed renderer, so templates behave as in transformers)."""
+        if self._chat is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._chat = PreTrainedTokenizerFast(tokenizer_object=self.tok, **self.specials)
+        try:
+            return self._chat.apply_chat_template([{"role": "user", "content": text}], chat_template=self.chat_template,
+                                                  tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001  (jinja raises its own types, and templates call raise_exception)
+            raise ValueError(f"the chat template failed on a prompt: {type(e).__name__}: {e}") from e
 
 
 def _read_tokenizer(file: Path, cls: Any) -> Any:
@@ -124,6 +166,30 @@ def _special_tokens(file: Path) -> dict[str, str]:
     return out
 
 
-def load_tokenizer(path: str | Path) -> HFTokenizer:
+def _chat_template(folder: Path) -> str | None:
+    """The default chat template beside a tokenizer: chat_template.jinja, or tokenizer_config.json's chat_template
+    (a string, or a list of {"name", "template"} whose "default" entry is taken)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        if jinja.stat().st_size > MAX_TEMPLATE_BYTES:
+            raise ValueError(f"{jinja}: {jinja.stat().st_size} bytes is too large for a chat template "
+                             f"(limit {MAX_TEMPLATE_BYTES})")
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read chat template {jinja}: {e}") from e
+    file = folder / "tokenizer_config.json"
+    raw = read_json_file(file, "tokenizer config").get("chat_template") if file.exists() else None
+    if raw is None or isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ValueError(f"{file}: chat_template must be a string or a list holding a 'default' template, "
+                     f"got {type(raw).__name__}")
+
+
+def load_tokenizer(path: str | Path, chat_template: bool | None = None) -> HFTokenizer:
     """A local tokenizer.json, or a folder holding one (as Hugging Face checkpoints do)."""
-    return HFTokenizer(path)
+    return HFTokenizer(path, chat_template)
