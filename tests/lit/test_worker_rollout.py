@@ -3,6 +3,7 @@ codes, leave it in place), and responses are decoded to text as the tokenizer de
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,13 @@ def _trained(kind: str) -> object:
 @pytest.mark.parametrize("kind", ["metaspace", "byte-level"])
 def test_responses_decode_as_the_tokenizer_decodes_them_whole(tmp_path: Path, kind: str) -> None:
     """Word spaces of a sentencepiece tokenizer and UTF-8 characters spread over byte-level tokens survive; ids past
-    the tokenizer's vocabulary read as '?', the stop token as nothing."""
+    the tokenizer's vocabulary read as '?', stop ids (eos, generation_config.json's) as nothing."""
     from trace_lightning.model.tokenizer import HFTokenizer
 
     tok = _trained(kind)
     tok.save(str(tmp_path / "tokenizer.json"))
+    other_end = tok.token_to_id("<s>")  # a second end-of-generation id, as Qwen's generation_config.json lists
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [other_end]}))
     module = PolicyModule(trace=TraceConfig(method="trace_compact"), rollout=RolloutConfig(prompts_per_step=2),
                           warmup_steps=0)
     worker = module.worker
@@ -80,6 +83,7 @@ def test_responses_decode_as_the_tokenizer_decodes_them_whole(tmp_path: Path, ki
     assert len(ids) > 6 and "".join(tok.decode([i]) for i in ids) != text  # token by token would lose it
     assert tok.decode(ids) == text
     eos, outside = worker.tokenizer.eos_id, worker.tokenizer.vocab_size
-    assert worker.decode_response([*ids, eos]) == text
+    assert list(worker.sampling_params(0).stop_token_ids) == [eos, other_end]
+    assert worker.decode_response([*ids, eos]) == text == worker.decode_response([*ids, other_end])
     assert worker.decode_response([*ids[:3], outside, outside + 5, *ids[3:], eos]) == (
         tok.decode(ids[:3]) + "??" + tok.decode(ids[3:]))

@@ -121,3 +121,37 @@ def test_chat_template_errors_name_the_problem(tmp_path: Path) -> None:
     write_chat_tokenizer(tmp_path, "{% for %}")
     with pytest.raises(ValueError, match="the chat template failed"):
         load_tokenizer(tmp_path).encode_prompt("hi")
+
+
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+            "enable_thinking is false %}<s></s>\n{% endif %}{% endif %}")
+
+
+def test_template_variables_and_generation_stop_ids(tmp_path: Path) -> None:
+    """chat_template kwargs reach the template as in transformers (Qwen3's enable_thinking); responses stop at eos
+    and at generation_config.json's eos ids, each once."""
+    from transformers import AutoTokenizer
+
+    write_chat_tokenizer(tmp_path, THINKING)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    message = [{"role": "user", "content": "hi"}]
+    for kwargs in ({}, {"enable_thinking": False}):
+        expected = theirs.apply_chat_template(message, tokenize=True, add_generation_prompt=True,
+                                              **kwargs)["input_ids"]
+        assert load_tokenizer(tmp_path, template_kwargs=kwargs).encode_prompt("hi") == expected
+    assert load_tokenizer(tmp_path, template_kwargs={"enable_thinking": False}).render_prompt("hi").endswith(
+        "assistant\n<s></s>\n")
+
+    tok = load_tokenizer(tmp_path)
+    im_end = tok.tok.token_to_id("<|im_end|>")
+    assert tok.stop_ids == [tok.eos_id]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, tok.eos_id]}))
+    assert load_tokenizer(tmp_path).stop_ids == [tok.eos_id, im_end]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": im_end}))
+    assert load_tokenizer(tmp_path).stop_ids == [tok.eos_id, im_end]
+    for bad in ("2", [1, -1], [10**6], True):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a token id"):
+            load_tokenizer(tmp_path)
+    assert CharTokenizer().stop_ids == [CharTokenizer().eos_id]

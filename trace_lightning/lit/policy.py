@@ -52,13 +52,14 @@ class NonFiniteError(RuntimeError):
     """The training forward produced a non-finite activation, logit or loss."""
 
 
-def build_policy(model: str, checkpoint: str | None, chat_template: bool | None = None) -> tuple[Transformer, Any]:
+def build_policy(model: str, checkpoint: str | None, chat_template: bool | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> tuple[Transformer, Any]:
     """A preset from scratch with the built-in char tokenizer, or a local HF checkpoint and its tokenizer."""
     if checkpoint:
-        return load_hf(checkpoint), load_tokenizer(checkpoint, chat_template)
-    if chat_template:
-        raise ValueError("model.chat_template is true, but only a checkpoint's tokenizer has a chat template (the "
-                         "built-in char tokenizer of the presets has none)")
+        return load_hf(checkpoint), load_tokenizer(checkpoint, chat_template, chat_template_kwargs)
+    if chat_template or chat_template_kwargs:
+        raise ValueError("model.chat_template(_kwargs) set, but only a checkpoint's tokenizer has a chat template "
+                         "(the built-in char tokenizer of the presets has none)")
     config = MoEConfig.from_name(model)
     tokenizer = CharTokenizer()
     if config.vocab_size < tokenizer.vocab_size:
@@ -85,6 +86,7 @@ class PolicyModule(L.LightningModule):
         model: str = "debug-moe",
         checkpoint: str | None = None,
         chat_template: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         # Dataclass defaults (not None) so that `trace-rl fit --help` lists each field with its docstring.
         trace: TraceConfig = TraceConfig(),  # noqa: B008 (never mutated)
         rollout: RolloutConfig = RolloutConfig(),  # noqa: B008
@@ -103,6 +105,7 @@ class PolicyModule(L.LightningModule):
             chat_template: Prompts as the checkpoint's chat template renders a user turn and the assistant's
                 generation prompt (as instruct models read requests). None: where its tokenizer has a template; false:
                 bos + the task's text; true: the template is required.
+            chat_template_kwargs: Variables the chat template reads, e.g. {enable_thinking: false} for Qwen3.
             trace: Quantization and guidance settings.
             rollout: What each RL step samples.
             rl: The policy-gradient objective.
@@ -139,7 +142,7 @@ class PolicyModule(L.LightningModule):
             correction=CorrectionConfig(name=self.correction, cap=self.rl.tis_cap),
         )
         torch.manual_seed(seed)
-        self.policy, self.tokenizer = build_policy(model, checkpoint, chat_template)
+        self.policy, self.tokenizer = build_policy(model, checkpoint, chat_template, chat_template_kwargs)
         if init_from:
             load_policy_weights(self.policy, init_from)
         self.policy_version = 0

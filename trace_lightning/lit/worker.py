@@ -121,21 +121,22 @@ class RolloutWorker(L.LightningModule):
                                     max_batch=self.rollout_cfg.max_batch, one_off=one_off)
 
     def sampling_params(self, seed: int | Sequence[int], greedy: bool = False) -> SamplingParams:
-        """How rollouts (greedy: evaluation and predict) sample: the rollout settings, ending at the EOS token."""
+        """How rollouts (greedy: evaluation and predict) sample: the rollout settings, ending at the tokenizer's stop
+        ids (eos, and a checkpoint's other end-of-generation ids)."""
         r = self.rollout_cfg
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
-                              top_k=r.top_k, top_p=r.top_p, seed=seed, stop_token_ids=[self.tokenizer.eos_id])
+                              top_k=r.top_k, top_p=r.top_p, seed=seed, stop_token_ids=self.tokenizer.stop_ids)
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode_prompt(problem.prompt)
 
     def decode_response(self, response: list[int]) -> str:
         """Text of a response, decoded in runs: token by token would drop a sentencepiece tokenizer's word spaces
-        and split UTF-8 characters that span tokens. Ids past the tokenizer's vocabulary (the model's is larger)
-        read as '?'."""
-        tok = self.tokenizer
+        and split UTF-8 characters that span tokens. Stop ids read as nothing, ids past the tokenizer's vocabulary
+        (the model's is larger) as '?'."""
+        tok, stops = self.tokenizer, set(self.tokenizer.stop_ids)
         parts = []
-        kept = (t for t in response if t != tok.eos_id)
+        kept = (t for t in response if t not in stops)
         for outside, run in itertools.groupby(kept, key=lambda t: t >= tok.vocab_size):
             ids = list(run)
             parts.append("?" * len(ids) if outside else tok.decode(ids))

@@ -32,6 +32,11 @@ class Tokenizer(Protocol):
 
     def encode_prompt(self, text: str) -> list[int]: ...
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """The ids a response ends at: eos, and a checkpoint's other end-of-generation ids."""
+        ...
+
 
 class CharTokenizer:
     """<pad>=0, <bos>=1, <eos>=2, then tab, newline and printable ASCII (space..~): 100 ids."""
@@ -56,6 +61,10 @@ class CharTokenizer:
         """bos + the text."""
         return self.encode(text, bos=True)
 
+    @property
+    def stop_ids(self) -> list[int]:
+        return [self.eos_id]
+
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         out = []
         for i in ids:
@@ -73,9 +82,11 @@ class HFTokenizer:
     chat_template.jinja) when beside it.
 
     chat_template: render prompts with the chat template (True: one must exist), never (False), or where there is
-    one (None)."""
+    one (None); template_kwargs: extra variables the template reads (e.g. Qwen3's ``enable_thinking``).
+    Responses stop at eos and at generation_config.json's ``eos_token_id`` (one id or a list), as vLLM's do."""
 
-    def __init__(self, path: str | Path, chat_template: bool | None = None) -> None:
+    def __init__(self, path: str | Path, chat_template: bool | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         path = Path(path)
@@ -95,7 +106,11 @@ class HFTokenizer:
             raise ValueError(f"chat_template is true but {file.parent} has none (no 'chat_template' in "
                              "tokenizer_config.json, no chat_template.jinja)")
         self.chat_template: str | None = template
+        self.template_kwargs = dict(template_kwargs or {})
         self._chat: Any = None
+        ends = [] if self.eos_id is None else [self.eos_id]
+        self._stop_ids = list(dict.fromkeys(ends + _generation_eos(file.parent / "generation_config.json",
+                                                                   self.vocab_size)))
 
     def _id(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
         for token in (configured, *fallbacks):
@@ -118,6 +133,10 @@ class HFTokenizer:
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
+    @property
+    def stop_ids(self) -> list[int]:
+        return list(self._stop_ids)
+
     def encode_prompt(self, text: str) -> list[int]:
         """The chat template's user turn holding `text` and the generation prompt (special tokens in the rendered
         text read as themselves); without a template, bos (if any) + the text."""
@@ -134,7 +153,7 @@ class HFTokenizer:
             self._chat = PreTrainedTokenizerFast(tokenizer_object=self.tok, **self.specials)
         try:
             return self._chat.apply_chat_template([{"role": "user", "content": text}], chat_template=self.chat_template,
-                                                  tokenize=False, add_generation_prompt=True)
+                                                  tokenize=False, add_generation_prompt=True, **self.template_kwargs)
         except Exception as e:  # noqa: BLE001  (jinja raises its own types, and templates call raise_exception)
             raise ValueError(f"the chat template failed on a prompt: {type(e).__name__}: {e}") from e
 
@@ -190,6 +209,18 @@ def _chat_template(folder: Path) -> str | None:
                      f"got {type(raw).__name__}")
 
 
-def load_tokenizer(path: str | Path, chat_template: bool | None = None) -> HFTokenizer:
+def _generation_eos(file: Path, vocab_size: int) -> list[int]:
+    """generation_config.json's eos_token_id (an id or a list of ids), [] where there is none."""
+    if not file.exists():
+        return []
+    raw = read_json_file(file, "generation config").get("eos_token_id")
+    ids = [] if raw is None else raw if isinstance(raw, list) else [raw]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of ids in [0, {vocab_size}), got {raw!r}")
+    return ids
+
+
+def load_tokenizer(path: str | Path, chat_template: bool | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> HFTokenizer:
     """A local tokenizer.json, or a folder holding one (as Hugging Face checkpoints do)."""
-    return HFTokenizer(path, chat_template)
+    return HFTokenizer(path, chat_template, template_kwargs)
