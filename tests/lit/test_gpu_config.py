@@ -11,7 +11,7 @@ def test_gpu_config_stacks_on_sim() -> None:
     parser = main(["--config", str(CONF / "sim.yaml")], run=False).parser
     ns = parser.parse_args(["--config", str(CONF / "sim.yaml"), "--config", str(CONF / "gpu.yaml")])
     assert ns.trainer.accelerator == "gpu" and ns.trainer.devices == 1
-    assert ns.model.model == "small-moe" and ns.data.env == "countdown"
+    assert ns.model.model == "small-moe" and ns.data.env == "countdown" and ns.data.problem_workers == 4
     assert ns.model.trace.method == "trace_compact" and ns.model.trace.backend == "auto"
     assert ns.model.rollout.prompts_per_step * ns.model.rollout.group_size == 512
     callbacks = [c.class_path.rsplit(".", 1)[-1] for c in ns.trainer.callbacks]

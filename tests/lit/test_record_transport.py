@@ -3,6 +3,7 @@ the same training as through the bytes transport, and a bad record stops the fit
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ class Seen(L.Callback):
 
 
 def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | None = None,
-         max_batch: int | None = None, on_host: bool = False, prefill_chunk: int | None = None) -> Seen:
+         max_batch: int | None = None, on_host: bool = False, prefill_chunk: int | None = None,
+         problem_workers: int = 0) -> Seen:
     torch.manual_seed(0)
     module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2, sites=sites,
                                             records_on_host=on_host),
@@ -55,7 +57,8 @@ def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | 
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         callbacks=[*extra, WeightSync(), CacheExchange(transport), DepthSelectiveCompaction(),
                                    MismatchMonitor(heatmap=False), seen])
-    trainer.fit(module, datamodule=RLDataModule(env="arithmetic", demo_batch_size=8, eval_size=8))
+    trainer.fit(module, datamodule=RLDataModule(env="arithmetic", demo_batch_size=8, eval_size=8,
+                                                problem_workers=problem_workers))
     return seen
 
 
@@ -154,3 +157,21 @@ def test_chunked_prefill_trains_as_one_forward(tmp_path: Path) -> None:
     assert PolicyModule(rollout=RolloutConfig(prefill_chunk=2)).worker.engine.prefill_chunk == 2
     with pytest.raises(ValueError, match="rollout.prefill_chunk must be an integer >= 1"):
         RolloutConfig(prefill_chunk=0)
+
+
+def test_problems_built_ahead_by_loader_workers_train_as_problems_built_in_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.problem_workers: two loader processes build the steps' problems (each every other step), none is built
+    in the training process, and the fit is the one that builds them itself."""
+    in_step = _fit(tmp_path / "in_step", "device")
+    trainer_pid, build = os.getpid(), RLDataModule._problems
+
+    def elsewhere(self: RLDataModule, n: int, step: int) -> list[Any]:
+        assert os.getpid() != trainer_pid, f"step {step}'s problems were built in the training process"
+        return build(self, n, step)
+
+    monkeypatch.setattr(RLDataModule, "_problems", elsewhere)
+    ahead = _fit(tmp_path / "ahead", "device", problem_workers=2)
+    assert len(ahead.losses) == 3 and ahead.losses == in_step.losses
+    with pytest.raises(ValueError, match="data.problem_workers must be an integer >= 0"):
+        RLDataModule(problem_workers=-1)
