@@ -47,7 +47,7 @@ def write_checkpoint(folder: Path, seed: int = 0) -> None:
     vocab = write_tokenizer(folder)
     config = Qwen3MoeConfig(vocab_size=128 * ((vocab + 127) // 128), hidden_size=64, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=2048,
                             bos_token_id=1, eos_token_id=SPECIALS.index("<|im_end|>"), pad_token_id=0)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)

@@ -120,3 +120,19 @@ def test_the_held_out_env_draws_problems_training_never_draws() -> None:
     assert not seen & {key(p) for p in evaluated}
     assert all(held.score(p, held.demonstration(p)) == 1.0 for p in evaluated[:10])
     assert held.held_out().seed == 604 and held.sample(5, seed=1)[0].prompt != train.sample(5, seed=1)[0].prompt
+
+
+def test_tagged_answers_for_pretrained_chat_models() -> None:
+    """prompt_format "instructed" + answer_format "tagged": reasoning-gym's default system prompt asks for the answer
+    in <answer> tags; the last tag counts wherever it is (after a <think> block, say), scored by reasoning-gym."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    env = make_env("countdown", size=50, prompt_format="instructed", answer_format="tagged")
+    p = env.sample(1, seed=0)[0]
+    assert p.prompt.startswith(SYSTEM_PROMPTS["default"]) and p.prompt.endswith(p.metadata["question"])
+    assert env.demonstration(p) == f"<answer>{p.answer}</answer>" and env.score(p, env.demonstration(p)) == 1.0
+    assert env.score(p, f"<think>try 1+1</think>\nSo: <answer>1+1</answer> no, <answer> {p.answer} </answer>") == 1.0
+    assert env.score(p, f"<answer>{p.answer}</answer> then <answer>1+1</answer>") == 0.0  # the last one counts
+    assert env.score(p, p.answer) == 0.0  # untagged
+    assert env.score(p, "<answer>2**99999</answer>") == 0.0  # forbidden in expressions stays with the pattern's
+    assert ANSWER_FORMATS["tagged"].tag == "answer"

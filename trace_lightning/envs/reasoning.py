@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import reasoning_gym
+from reasoning_gym.utils import SYSTEM_PROMPTS
+from reasoning_gym.utils import extract_answer as tagged_answer
 
 from trace_lightning.envs.base import Problem, register_env
+from trace_lightning.envs.verifier_guard import EXPRESSION_VERIFIERS, UnsafeAnswer, check_expression, guard_verifier
 
 
 def _expression_prompt(entry: dict[str, Any]) -> str:
@@ -43,8 +46,15 @@ def _countdown_prompt(entry: dict[str, Any]) -> str:
     return f"make {md['target']} from {' '.join(str(n) for n in md['numbers'])}:"
 
 
+def _instructed_prompt(entry: dict[str, Any]) -> str:
+    """reasoning-gym's default system prompt (think, then the answer in <answer> tags) and the task's question, as one
+    user message: for pretrained chat models (some chat templates refuse a system turn)."""
+    return f"{SYSTEM_PROMPTS['default']}\n\n{entry['question']}"
+
+
 PROMPT_FORMATS: dict[str, Callable[[dict[str, Any]], str]] = {
     "native": lambda entry: entry["question"],
+    "instructed": _instructed_prompt,
     "expression": _expression_prompt,
     "countdown": _countdown_prompt,
 }
@@ -60,19 +70,27 @@ class AnswerFormat:
     """Drop spaces from the reference answer (so the demonstration is short)."""
     forbidden: tuple[str, ...] = ()
     """Substrings that make the extracted answer invalid (e.g. "**": the verifier would evaluate it)."""
+    tag: str | None = None
+    """Instead of `pattern`: the answer is the last <tag>...</tag> anywhere in the response (reasoning after it or
+    before it, in <think> blocks or not), as reasoning-gym's own extract_answer reads it."""
 
 
 ANSWER_FORMATS: dict[str, AnswerFormat] = {
     "integer": AnswerFormat(r"[+-]?\d+"),
     "expression": AnswerFormat(r"[0-9+\-*/() ]+", compact=True, forbidden=("**",)),
     "line": AnswerFormat(r"[^\n]*"),
+    "tagged": AnswerFormat("", tag="answer"),
 }
 
 
 def extract_answer(response: str, fmt: AnswerFormat, max_chars: int = 64) -> str | None:
-    """The answer at the start of response, or None when there is none (or it is invalid / too long)."""
-    match = re.match(fmt.pattern, response.lstrip())
-    answer = match.group(0).strip() if match else ""
+    """The answer at the start of response (or in its last answer tag), or None when there is none (or it is invalid
+    / too long)."""
+    if fmt.tag is not None:
+        answer = tagged_answer(response, tag_name=fmt.tag) or ""
+    else:
+        match = re.match(fmt.pattern, response.lstrip())
+        answer = match.group(0).strip() if match else ""
     if not answer or len(answer) > max_chars or any(bad in answer for bad in fmt.forbidden):
         return None
     return answer
@@ -107,6 +125,7 @@ class ReasoningGymEnv:
         self.partial_credit = partial_credit
         self.max_answer_chars = max_answer_chars
         self.data = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **dataset_kwargs)
+        guard_verifier(dataset, self.data)  # model answers never run as code (envs/verifier_guard.py)
         self._made: dict[int, Problem] = {}
 
     def held_out(self) -> ReasoningGymEnv:
@@ -143,6 +162,11 @@ class ReasoningGymEnv:
         answer = extract_answer(response, self.answer_fmt, self.max_answer_chars)
         if answer is None:
             return 0.0
+        if self.name in EXPRESSION_VERIFIERS:
+            try:
+                check_expression(answer)
+            except UnsafeAnswer:
+                return 0.0
         md = problem.metadata
         entry = {"question": md["question"], "answer": md["rg_answer"], "metadata": md["rg_metadata"]}
         try:
@@ -154,7 +178,8 @@ class ReasoningGymEnv:
         return min(max(reward, 0.0), 1.0)
 
     def demonstration(self, problem: Problem) -> str:
-        return problem.answer
+        tag = self.answer_fmt.tag
+        return problem.answer if tag is None else f"<{tag}>{problem.answer}</{tag}>"
 
 
 SIM_PRESETS: dict[str, dict[str, Any]] = {
