@@ -142,8 +142,7 @@ class RLDataModule(L.LightningDataModule):
         return made
 
     def train_dataloader(self) -> DataLoader:
-        workers = self.problem_workers
-        return DataLoader(RolloutStream(self), batch_size=None, num_workers=workers)
+        return DataLoader(RolloutStream(self), batch_size=None, num_workers=self.problem_workers)
 
     def val_dataloader(self) -> DataLoader:
         problems = self.eval_env.sample(self.eval_size, seed=10**9 + self.seed)
