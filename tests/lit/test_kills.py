@@ -144,19 +144,31 @@ def test_checkpoint_io_stages_beside_the_target_not_in_tmpdir(tmp_path: Path, mo
 
 
 @pytest.mark.slow  # a whole run or many processes: CI runs it in its slow pass
-def test_trace_rl_fit_killed_by_sigterm_exits_143_with_a_resumable_checkpoint(tmp_path: Path) -> None:
-    """The shipped config: periodic last.ckpt, and SIGTERM mid-fit leaves interrupted.ckpt and status 143."""
+@pytest.mark.parametrize("problem_workers", [0, 2], ids=["in-process", "loader-workers-group-signalled"])
+def test_trace_rl_fit_killed_by_sigterm_exits_143_with_a_resumable_checkpoint(tmp_path: Path,
+                                                                              problem_workers: int) -> None:
+    """The shipped config: periodic last.ckpt, and SIGTERM mid-fit leaves interrupted.ckpt and status 143. With
+    loader workers the signal goes to the whole process group (as a scheduler or a Ctrl-C sends it): the workers
+    leave it to the trainer, and none outlives it."""
     runs = tmp_path / "runs"
     cmd = [sys.executable, "-m", "trace_lightning.lit.cli", "fit", "--config", str(CONF), "--trainer.max_steps", "400",
            "--model.warmup_steps", "400", "--trainer.logger.init_args.save_dir", str(runs),
-           "--trainer.enable_progress_bar", "false"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           "--trainer.enable_progress_bar", "false", "--data.problem_workers", str(problem_workers)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     last = runs / "trace_compact" / "version_0" / "checkpoints" / "last.ckpt"  # runs/<method>/version_N
     deadline = time.monotonic() + 240
     while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    if problem_workers:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
+    if problem_workers:
+        time.sleep(1)
+        with pytest.raises(ProcessLookupError):  # the process group is empty: no worker left behind
+            os.killpg(proc.pid, 0)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     interrupted = last.with_name("interrupted.ckpt")
     assert interrupted.exists(), err[-2000:]

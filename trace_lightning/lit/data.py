@@ -14,6 +14,7 @@ reasoning-gym, 256 of them a warm-start step) then costs the training process no
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +52,14 @@ class RolloutStream(IterableDataset):
         while True:
             yield StepRequest(step, self.dm.step_problems(step) if worker is not None else None)
             step += stride
+
+
+def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """A loader worker ignores SIGINT and SIGTERM. A Ctrl-C, or a scheduler's SIGTERM, reaches the whole process
+    group: the training process then stops after its step with a checkpoint (StopOnSignal) and shuts its workers down
+    itself, where a worker killed first would have failed the fit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class RLDataModule(L.LightningDataModule):
@@ -142,7 +151,8 @@ class RLDataModule(L.LightningDataModule):
         return made
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(RolloutStream(self), batch_size=None, num_workers=self.problem_workers)
+        return DataLoader(RolloutStream(self), batch_size=None, num_workers=self.problem_workers,
+                          worker_init_fn=_leave_stop_signals_to_the_trainer)
 
     def val_dataloader(self) -> DataLoader:
         problems = self.eval_env.sample(self.eval_size, seed=10**9 + self.seed)
