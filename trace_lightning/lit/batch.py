@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,20 +57,27 @@ class TrainBatch:
         return int(self.response_mask.sum())
 
 
+def spans(starts: list[int], stops: list[int], width: int) -> Tensor:
+    """(B, width) mask of columns starts[b] <= c < stops[b]: where a row's ragged values go, in one op."""
+    cols = torch.arange(width)
+    return (cols >= torch.tensor(starts)[:, None]) & (cols < torch.tensor(stops)[:, None])
+
+
+def place(rows: list[list[Any]], starts: list[int], width: int, fill: float | int, dtype: torch.dtype) -> Tensor:
+    """(B, width) of `fill` with row b's values at columns starts[b] onwards: one tensor from one flat list (a
+    tensor per row cost ~20 us each, 10 ms for an RL step's 512 rollouts)."""
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    out[spans(starts, [s + len(r) for s, r in zip(starts, rows, strict=True)], width)] = torch.tensor(
+        list(itertools.chain.from_iterable(rows)), dtype=dtype)
+    return out
+
+
 def pad_sequences(seqs: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Right-pad token lists -> (tokens (B, T) int64, attention_mask (B, T) bool)."""
-    width = max(len(s) for s in seqs)
-    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = True
-    return tokens, mask
+    width, starts = max(len(s) for s in seqs), [0] * len(seqs)
+    return place(seqs, starts, width, pad_id, torch.long), spans(starts, [len(s) for s in seqs], width)
 
 
 def response_targets(prompt_lens: list[int], total_lens: list[int], width: int) -> Tensor:
     """(B, width-1) mask of the shifted positions whose target is a response token."""
-    mask = torch.zeros((len(prompt_lens), width - 1), dtype=torch.bool)
-    for i, (p, t) in enumerate(zip(prompt_lens, total_lens, strict=True)):
-        mask[i, p - 1 : t - 1] = True
-    return mask
+    return spans([p - 1 for p in prompt_lens], [t - 1 for t in total_lens], width - 1)

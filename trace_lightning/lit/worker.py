@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Env, Problem
-from trace_lightning.lit.batch import TrainBatch, pad_sequences, response_targets
+from trace_lightning.lit.batch import TrainBatch, pad_sequences, place, response_targets
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.methods import MethodSpec
 from trace_lightning.model import Transformer
@@ -135,8 +135,10 @@ class RolloutWorker(L.LightningModule):
         and split UTF-8 characters that span tokens. Stop ids read as nothing, ids past the tokenizer's vocabulary
         (the model's is larger) as '?'."""
         tok, stops = self.tokenizer, set(self.tokenizer.stop_ids)
+        kept = [t for t in response if t not in stops]
+        if not kept or max(kept) < tok.vocab_size:
+            return tok.decode(kept)
         parts = []
-        kept = (t for t in response if t not in stops)
         for outside, run in itertools.groupby(kept, key=lambda t: t >= tok.vocab_size):
             ids = list(run)
             parts.append("?" * len(ids) if outside else tok.decode(ids))
@@ -178,9 +180,7 @@ class RolloutWorker(L.LightningModule):
         tokens, attention_mask = pad_sequences(seqs, self.tokenizer.pad_id)
         width = tokens.shape[1]
         response_mask = response_targets([len(p) for p in prompts], [len(s) for s in seqs], width)
-        logprobs = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
-        for i, (p, lp) in enumerate(zip(prompts, out.logprobs, strict=True)):
-            logprobs[i, len(p) - 1 : len(p) - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        logprobs = place(out.logprobs, [len(p) - 1 for p in prompts], width - 1, 0.0, torch.float32)
         # per layer (B, width - 1, top_k), padded with expert 0 as it always was: another padding changes how many
         # rows each expert's GEMM sees, and so (BLAS blocking) real tokens' values by ulps, and the run with them
         table = out.route_table[:, :, : width - 1].long()

@@ -48,6 +48,8 @@ class CharTokenizer:
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
         self.vocab_size = len(self.specials) + len(self.chars)
         self._ids = {ch: i + len(self.specials) for i, ch in enumerate(self.chars)}
+        self._text = ["" for _ in self.specials] + list(self.chars)  # id -> text, a table lookup per token
+        self._text_with_specials = [*self.specials, *self.chars]
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = [self.bos_id] if bos else []
@@ -66,15 +68,11 @@ class CharTokenizer:
         return [self.eos_id]
 
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
-        out = []
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
-            if i >= len(self.specials):
-                out.append(self.chars[i - len(self.specials)])
-            elif not skip_special:
-                out.append(self.specials[i])
-        return "".join(out)
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (size {self.vocab_size})")
+        text = self._text if skip_special else self._text_with_specials
+        return "".join([text[i] for i in ids])
 
 
 class HFTokenizer:

@@ -400,15 +400,14 @@ class Engine:
                  params: SamplingParams, recorder: Recorder, capture: CaptureSpec | None) -> RolloutBatch:
         """One host transfer: cut each row at its first stop token or at its max_new_tokens. Routes and records
         stay on the device as whole-batch tensors."""
-        stop, toks, lps = set(params.stop_token_ids), tokens.cpu().tolist(), logprobs.cpu().tolist()
-        responses, out_lps, reasons = [], [], []
-        for row, lp, m in zip(toks, lps, max_new, strict=True):
-            end = next((j + 1 for j, t in enumerate(row[:m]) if t in stop), None)
-            reason: FinishReason = "length" if end is None else "stop"
-            end = m if end is None else end
-            responses.append(row[:end])
-            out_lps.append(lp[:end])
-            reasons.append(reason)
+        tokens, logprobs, budget = tokens.cpu(), logprobs.cpu(), torch.tensor(max_new)
+        stops = torch.isin(tokens, torch.tensor(list(params.stop_token_ids), dtype=tokens.dtype))
+        stops &= torch.arange(tokens.shape[1]) < budget[:, None]
+        stopped = stops.any(dim=1)
+        ends = torch.where(stopped, stops.int().argmax(dim=1) + 1, budget).tolist()  # argmax: the first stop
+        responses = [row[:end] for row, end in zip(tokens.tolist(), ends, strict=True)]
+        out_lps = [lp[:end] for lp, end in zip(logprobs.tolist(), ends, strict=True)]
+        reasons: list[FinishReason] = ["stop" if s else "length" for s in stopped.tolist()]
         lengths = torch.tensor([len(p) + len(r) - 1 for p, r in zip(prompts, responses, strict=True)],
                                device=self.device)
         with torch.inference_mode(False):  # training reads (and may modify) these: normal tensors, not inference ones
@@ -623,6 +622,8 @@ def _prompt_ids(i: int, prompt: object, vocab: int) -> list[int]:
         raise ValueError(f"prompt {i} must be a list of token ids, got {prompt!r:.60}")
     if len(prompt) == 0:
         raise ValueError(f"prompt {i} is empty")
+    if all(type(t) is int for t in prompt) and 0 <= min(prompt) and max(prompt) < vocab:
+        return list(prompt)  # the common case, in builtins; anything else is checked token by token below
     for j, t in enumerate(prompt):
         if not _is_integer(t) or not 0 <= int(t) < vocab:
             raise ValueError(f"prompt {i}: token {t!r} at position {j} is not an id in [0, {vocab})")
