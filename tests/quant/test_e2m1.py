@@ -149,3 +149,10 @@ def test_codec_errors_name_the_offending_value() -> None:
         unpack_fp4(torch.zeros(2))
     with pytest.raises(ValueError, match="list"):
         encode_e2m1([1.0])  # type: ignore[arg-type]
+
+
+def test_decode_checks_the_code_range_unless_the_codes_are_unpacked_nibbles() -> None:
+    with pytest.raises(ValueError, match="codes must lie in 0..15, got a maximum of 16"):
+        decode_e2m1(torch.tensor([3, 16], dtype=torch.uint8))
+    packed = pack_fp4(ALL_CODES)
+    assert torch.equal(decode_e2m1(unpack_fp4(packed), checked=False), decode_e2m1(ALL_CODES))

@@ -8,6 +8,8 @@ bit of the magnitude, which is what a parity record keeps.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -53,13 +55,20 @@ def encode_e2m1(x: Tensor) -> Tensor:
     return not_passed.neg_().add_(7) | (negative.to(torch.uint8) << 3)
 
 
-def decode_e2m1(codes: Tensor) -> Tensor:
-    """Map uint8 codes 0..15 to their float32 values (code 8 is -0.0)."""
+def decode_e2m1(codes: Tensor, *, checked: bool = True) -> Tensor:
+    """Map uint8 codes 0..15 to their float32 values (code 8 is -0.0). `checked=False` skips the range check, a host
+    read of the maximum (a device sync on a GPU), for codes that cannot exceed 15: nibbles unpacked from bytes."""
     if codes.dtype != torch.uint8:
         raise ValueError(f"codes must be uint8, got {codes.dtype}")
-    if codes.numel() and int(codes.max()) > 15:
+    if checked and codes.numel() and int(codes.max()) > 15:
         raise ValueError(f"codes must lie in 0..15, got a maximum of {int(codes.max())}")
-    return _CODE_TO_VALUE.to(codes.device)[codes.long()]
+    return _code_values(codes.device)[codes.long()]
+
+
+@functools.cache
+def _code_values(device: torch.device) -> Tensor:
+    """The code -> value table on `device`, copied there once (not a host-to-device copy per call)."""
+    return _CODE_TO_VALUE.to(device)
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
