@@ -16,7 +16,8 @@ CUDA graphs.
 With --long-tail SLOTS the --batch prompts get long-tailed response lengths (max_new_tokens per prompt drawn
 log-normal with a fixed seed, median --new-tokens / 8, capped at --new-tokens) and the table compares static
 batching (the prompts in batches of SLOTS, one generate call each) with continuous batching
-(generate(max_batch=SLOTS)): generated tokens/s over the whole calls, prefills included, and decode steps.
+(generate(max_batch=SLOTS)): generated tokens/s over the whole calls, prefills included, decode steps, and the
+seconds spent prefilling (the refills', under continuous batching: where a continuous step's extra time goes).
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def long_tail_lengths(n: int, cap: int, sigma: float = 1.0) -> list[int]:
 
 def bench_long_tail(make_model: Callable[[], Transformer], precision: FP4Precision | str, prompts: list[list[int]],
                     lengths: list[int], slots: int, repeats: int,
-                    backend: str = "auto") -> tuple[dict[str, tuple[float, float]], int]:
-    """Best-of-repeats {"static" | "continuous": (generated tokens/s over the calls, decode steps)}, and how many
+                    backend: str = "auto") -> tuple[dict[str, tuple[float, float, float]], int]:
+    """Best-of-repeats {"static" | "continuous": (generated tokens/s over the calls, decode steps, seconds of
+    prefill: the prompts', or the refills' under continuous batching)}, and how many
     sequences came out token for token the same both ways (all in fp32; in bf16 the eager loop's attention
     window, which depends on the batch, can move a logit by an ulp and, through FP4 activations, a token)."""
     engine = Engine(make_model(), precision, backend=backend)
@@ -147,7 +149,7 @@ def bench_long_tail(make_model: Callable[[], Transformer], precision: FP4Precisi
     def continuous() -> list[RolloutBatch]:
         return [engine.generate(prompts, SamplingParams(max_new_tokens=lengths, seed=seeds), max_batch=slots)]
 
-    best: dict[str, tuple[float, float]] = {}
+    best: dict[str, tuple[float, float, float]] = {}
     responses: dict[str, list[list[int]]] = {}
     for name, run in (("static", static), ("continuous", continuous)):
         for _ in range(repeats):
@@ -155,7 +157,8 @@ def bench_long_tail(make_model: Callable[[], Transformer], precision: FP4Precisi
             outs = run()
             elapsed = time.perf_counter() - start
             tps = sum(o.stats["new_tokens"] for o in outs) / elapsed
-            best[name] = max(best.get(name, (0.0, 0.0)), (tps, sum(o.stats["decode_steps"] for o in outs)))
+            run_stats = (tps, sum(o.stats["decode_steps"] for o in outs), sum(o.stats["prefill_s"] for o in outs))
+            best[name] = max(best.get(name, (0.0, 0.0, 0.0)), run_stats)
         responses[name] = [r for o in outs for r in o.responses]
     return best, sum(a == b for a, b in zip(responses["static"], responses["continuous"], strict=True))
 
@@ -164,14 +167,14 @@ def main_long_tail(make_model: Callable[[], Transformer], prompts: list[list[int
     lengths = long_tail_lengths(len(prompts), args.new_tokens)
     print(f"response lengths: {sum(lengths)} tokens, median {sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}; "
           f"{args.long_tail} slots")
-    print(f"{'precision':<30} {'static tok/s':>12} {'steps':>6} {'continuous tok/s':>16} {'steps':>6} {'speedup':>8} "
-          f"{'same tokens':>11}")
+    print(f"{'precision':<30} {'static tok/s':>12} {'steps':>6} {'prefill s':>9} {'continuous tok/s':>16} "
+          f"{'steps':>6} {'prefill s':>9} {'speedup':>8} {'same tokens':>11}")
     for name in args.precision or ["fp32"]:
         r, same = bench_long_tail(make_model, PRECISIONS[name], prompts, lengths, args.long_tail, args.repeats,
                                   args.backend)
-        (s_tps, s_steps), (c_tps, c_steps) = r["static"], r["continuous"]
-        print(f"{name:<30} {s_tps:>12.0f} {s_steps:>6.0f} {c_tps:>16.0f} {c_steps:>6.0f} {c_tps / s_tps:>7.2f}x "
-              f"{same:>5}/{len(prompts)}")
+        (s_tps, s_steps, s_pre), (c_tps, c_steps, c_pre) = r["static"], r["continuous"]
+        print(f"{name:<30} {s_tps:>12.0f} {s_steps:>6.0f} {s_pre:>9.2f} {c_tps:>16.0f} {c_steps:>6.0f} {c_pre:>9.2f} "
+              f"{c_tps / s_tps:>7.2f}x {same:>5}/{len(prompts)}")
 
 
 def main() -> None:
