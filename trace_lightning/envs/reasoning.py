@@ -34,7 +34,7 @@ from reasoning_gym.utils import SYSTEM_PROMPTS
 from reasoning_gym.utils import extract_answer as tagged_answer
 
 from trace_lightning.envs.base import Problem, register_env
-from trace_lightning.envs.verifier_guard import EXPRESSION_VERIFIERS, UnsafeAnswer, check_expression, guard_verifier
+from trace_lightning.envs.verifier_guard import admits, guard_verifier
 
 
 def _expression_prompt(entry: dict[str, Any]) -> str:
@@ -160,13 +160,8 @@ class ReasoningGymEnv:
 
     def score(self, problem: Problem, response: str) -> float:
         answer = extract_answer(response, self.answer_fmt, self.max_answer_chars)
-        if answer is None:
+        if answer is None or not admits(self.name, answer):
             return 0.0
-        if self.name in EXPRESSION_VERIFIERS:
-            try:
-                check_expression(answer)
-            except UnsafeAnswer:
-                return 0.0
         md = problem.metadata
         entry = {"question": md["question"], "answer": md["rg_answer"], "metadata": md["rg_metadata"]}
         try:

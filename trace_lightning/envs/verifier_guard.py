@@ -110,6 +110,18 @@ def _number(node: ast.AST) -> Fraction:
     raise UnsafeAnswer("an exponent must be a number")
 
 
+def admits(dataset: str, answer: str) -> bool:
+    """Whether `answer` may reach `dataset`'s verifier: an expression verifier's only when check_expression passes
+    it (anything else scores 0 unread); every other verifier's always (the list verifiers are guarded inside)."""
+    if dataset not in EXPRESSION_VERIFIERS:
+        return True
+    try:
+        check_expression(answer)
+    except UnsafeAnswer:
+        return False
+    return True
+
+
 def _literal_eval(source: Any, *args: Any) -> Any:
     """What the list verifiers get for `eval`: literals only (lists, tuples, strings, numbers)."""
     return ast.literal_eval(source)
@@ -117,6 +129,6 @@ def _literal_eval(source: Any, *args: Any) -> Any:
 
 def guard_verifier(dataset: str, verifier: Any) -> None:
     """Make `verifier` (a reasoning-gym dataset object) safe to hand model answers: its module's eval reads
-    literals only, where it is a list verifier. (Expression answers are checked by `check_expression` instead.)"""
+    literals only, where it is a list verifier. (Expression answers are screened by `admits` instead.)"""
     if dataset in LIST_EVAL_VERIFIERS:
         vars(sys.modules[type(verifier).__module__])["eval"] = _literal_eval
