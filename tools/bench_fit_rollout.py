@@ -59,7 +59,7 @@ def step_rows(module: Any, data: Any, step: int, fixed: bool) -> list[dict[str, 
     batch = worker.rollout(data.env, problems, seed=seeds)
     stats = batch.rollout_stats
     lengths = batch.response_mask.sum(dim=1).tolist()
-    prompts = [worker.encode_prompt(p) for p in problems for _ in range(r.group_size)]
+    prompts = worker.group_prompts(problems)
     responses = [batch.tokens[i, len(p) : len(p) + n].tolist()
                  for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
     rows = [{"side": "fit (worker.rollout)", "s": stats["time/rollout_s"], "new": sum(lengths),

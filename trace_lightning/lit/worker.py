@@ -130,6 +130,12 @@ class RolloutWorker(L.LightningModule):
     def encode_prompt(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode_prompt(problem.prompt)
 
+    def group_prompts(self, problems: list[Problem]) -> list[list[int]]:
+        """Each problem's prompt ids group_size times, a rollout each (encoded once a problem: a chat template's
+        rendering is not free)."""
+        g = self.rollout_cfg.group_size
+        return [ids for ids in map(self.encode_prompt, problems) for _ in range(g)]
+
     def decode_response(self, response: list[int]) -> str:
         """Text of a response, decoded in runs: token by token would drop a sentencepiece tokenizer's word spaces
         and split UTF-8 characters that span tokens. Stop ids read as nothing, ids past the tokenizer's vocabulary
@@ -149,7 +155,7 @@ class RolloutWorker(L.LightningModule):
 
         seed: one batch seed, or one seed per sequence (a data-parallel rank's share of the global batch's)."""
         g = self.rollout_cfg.group_size
-        prompts = [self.encode_prompt(p) for p in problems for _ in range(g)]
+        prompts = self.group_prompts(problems)
         capture = self.capture_spec()
         start = time.perf_counter()
         # an audit's capture (every layer's codes) is a shape of its own: the engine's kept decode session, the next
