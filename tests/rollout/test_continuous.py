@@ -13,6 +13,7 @@ relative, allowed 1e-5).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -195,3 +196,20 @@ def test_cuda_graph_slots_equal_eager_slots(base_model: Transformer, precision: 
     }
     assert runs[True].stats["graph_steps"] > 0 and runs[True].stats["refills"] == len(PROMPTS) - 3
     assert_same_rollout(runs[True], runs[False])
+
+
+def test_min_new_tokens_holds_back_stops_in_static_and_continuous_batches(model: Transformer) -> None:
+    engine = Engine(model, "fp32")
+    first = engine.generate(PROMPTS, SamplingParams(max_new_tokens=15, temperature=0.0)).responses
+    stop = first[0][1]  # a token greedy decoding picks early
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=SEED, stop_token_ids=[stop])
+    free = engine.generate(PROMPTS, params)
+    assert any(r == "stop" and len(x) <= 4 for r, x in zip(free.finish_reasons, free.responses, strict=True))
+    held = dataclasses.replace(params, min_new_tokens=5)
+    static = engine.generate(PROMPTS, held)
+    for response, budget in zip(static.responses, MAX_NEW, strict=True):
+        assert len(response) >= min(6, budget) and stop not in response[:5]
+    for slots in (1, 3):
+        sloted = engine.generate(PROMPTS, held, max_batch=slots)
+        for i in range(len(PROMPTS)):
+            assert_same_sequence(static, i, sloted, i)

@@ -55,3 +55,20 @@ def test_truncation_keeps_top_k_and_nucleus() -> None:
     n = 4000
     tokens, _ = sample(scaled.expand(n, 4), seed_keys(sequence_seeds(2, n), "cpu"), 0, 1.0, top_p=0.85)
     assert set(tokens.tolist()) == {0, 1}
+
+
+def test_banned_ids_are_not_sampled_before_their_step_and_logprobs_stay_full() -> None:
+    logits = torch.tensor([[0.0, 9.0, 1.0, 0.5]]).expand(64, 4)  # token 1 (the "stop") nearly always wins
+    keys = seed_keys(sequence_seeds(3, 64), "cpu")
+    banned = torch.tensor([1])
+    full = logits.log_softmax(-1)
+    for temperature in (1.0, 0.0):
+        early, lp = sample(logits, keys, step=2, temperature=temperature, banned=banned, banned_until=3)
+        assert 1 not in early.tolist()
+        scaled = full if temperature == 0 else (logits / temperature).log_softmax(-1)
+        torch.testing.assert_close(lp, scaled.gather(-1, early[:, None]).squeeze(-1), rtol=0, atol=0)
+        late, _ = sample(logits, keys, step=3, temperature=temperature, banned=banned, banned_until=3)
+        assert (late == 1).float().mean() > 0.99
+    per_row = torch.tensor([[0], [5]])  # slots at different steps (continuous batching): only row 0 is early
+    tokens, _ = sample(logits[:2], keys[:2], step=per_row, temperature=0.0, banned=banned, banned_until=3)
+    assert tokens.tolist() == [2, 1]

@@ -40,6 +40,9 @@ class SamplingParams:
     """One seed for the batch (sequence i uses ``sequence_seeds(seed, n)[i]``) or one seed per prompt."""
     stop_token_ids: Sequence[int] = ()
     """A sampled stop token ends its sequence (and is kept as its last response token)."""
+    min_new_tokens: int = 0
+    """No stop token is sampled before this many response tokens (vLLM's min_tokens): fixed-length responses for
+    throughput runs. Sampling only: the reported logprobs stay the full distribution's."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:  # NaN fails this too
@@ -48,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
 
 
 @dataclass(frozen=True)

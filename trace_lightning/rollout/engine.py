@@ -157,11 +157,12 @@ class Engine:
         recorder.begin(S)
         session.keys.copy_(seed_keys(seeds, dev))
         lens_t, max_new_t = torch.tensor(lens, device=dev), torch.tensor(max_new, device=dev)
+        state.stop.copy_(torch.tensor(stop_ids, dtype=torch.long, device=dev))  # the first draw's banned ids
 
         start = time.perf_counter()
         tok, lp = loop.draw(self.prefill(prompts, cache, hook, recorder), step=0)
         recorder.flush()
-        state.begin(tok, lp, lens_t, max_new_t, torch.tensor(stop_ids, dtype=torch.long, device=dev))
+        state.begin(tok, lp, lens_t, max_new_t, state.stop.clone())
         prefill_s = device_time(dev) - start  # the prefill's device time, not its launch time
         loop.begin()
         recorder.step, loop.on_check = state.step, recorder.flush
@@ -187,7 +188,7 @@ class Engine:
         max_len = min(-(-length // GRAPH_LENGTH_STEP) * GRAPH_LENGTH_STEP, c.max_seq_len) if keep else length
         layout = self.record_layout(capture)
         key = (batch, slots, max_len, max_new, layout, capture is not None, params.temperature, params.top_k,
-               params.top_p, n_stop)
+               params.top_p, n_stop, params.min_new_tokens)
         kept = self._session
         if keep and kept is not None and kept.key == key:
             return kept
@@ -198,15 +199,17 @@ class Engine:
         recorder, hook, cache = self._call_buffers(capture, batch, max_len, slots, self._ring(capture, prompt_len))
         recorder.kept = keep
         use_graph = self.cuda_graph and dev.type == "cuda"
-        sampling = functools.partial(sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        state: DecodeState | SlotState = (DecodeState.empty(batch, max_new, n_stop, dev) if slots is None
+                                          else SlotState.empty(batch, max_new, slots, n_stop, dev))
+        sampling = functools.partial(sample, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                     banned=state.stop, banned_until=params.min_new_tokens)  # the call's stop ids
         if slots is None:
-            state: DecodeState | SlotState = DecodeState.empty(batch, max_new, n_stop, dev)
             keys = torch.zeros(batch, 2, dtype=torch.long, device=dev)
             loop: DecodeLoop = DecodeLoop(lambda t, pos: self.decode_one_token(t, pos, cache, hook, recorder),
                                           functools.partial(sampling, keys=keys), state, cache, self.sync_every,
                                           use_graph)
         else:
-            state = SlotState.empty(batch, max_new, slots, n_stop, dev)
+            assert isinstance(state, SlotState)
             slot_state, keys = state, state.keys
 
             def slot_logits(tokens: Tensor, positions: Tensor) -> Tensor:

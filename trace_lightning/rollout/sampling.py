@@ -76,17 +76,31 @@ def truncate(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
     return scaled
 
 
+def suppress_early(scores: Tensor, step: int | Tensor, banned: Tensor | None, until: int) -> Tensor:
+    """Scores [B, V] with the `banned` ids at -inf while a row's step (int, (1,) or (B, 1)) is below `until`: no stop
+    token before the min_new_tokens-th response token (vLLM's min_tokens). Sampling only, as top-k and top-p: the
+    reported logprob stays the full distribution's."""
+    if banned is None or until <= 0 or banned.numel() == 0:
+        return scores
+    early = torch.as_tensor(step, device=scores.device).reshape(-1, 1) < until  # (1 or B, 1)
+    banned_cols = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
+    banned_cols[banned] = True
+    return scores.masked_fill(early & banned_cols, float("-inf"))
+
+
 def sample(logits: Tensor, keys: Tensor, step: int | Tensor, temperature: float, top_k: int = 0,
-           top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+           top_p: float = 1.0, banned: Tensor | None = None, banned_until: int = 0) -> tuple[Tensor, Tensor]:
     """logits [B, V] -> (tokens int64 [B], logprobs float32 [B] of those tokens, full-vocabulary).
 
     temperature 0 is greedy and reports the unscaled logprob; otherwise the logprob is at that temperature.
+    banned / banned_until: ids not sampled before step banned_until (suppress_early).
     """
     logits = logits.float()
     if temperature == 0:
-        tokens = logits.argmax(dim=-1)
+        tokens = suppress_early(logits, step, banned, banned_until).argmax(dim=-1)
         return tokens, logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / temperature
     gumbel = -torch.log(-torch.log(uniform_noise(keys, step, logits.shape[-1])))
-    tokens = (truncate(scaled, top_k, top_p) + gumbel).argmax(dim=-1)
+    allowed = suppress_early(truncate(scaled, top_k, top_p), step, banned, banned_until)
+    tokens = (allowed + gumbel).argmax(dim=-1)
     return tokens, scaled.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
