@@ -139,6 +139,14 @@ class _FP4TrainHook(FiniteCheckHook):
         stats.code_equal += int((code_eq & mask).sum())
         stats.value_equal += int((value_eq & mask).sum())
 
+    def absorb(self, other: _FP4TrainHook) -> None:
+        """Add another hook's audit counts to this one's: the micro-batches of one step audit as one batch."""
+        for key, s in other.agreement.items():
+            mine = self.agreement.setdefault(key, SiteAgreement())
+            mine.elements, mine.code_equal, mine.value_equal = (mine.elements + s.elements,
+                                                                mine.code_equal + s.code_equal,
+                                                                mine.value_equal + s.value_equal)
+
     def layer_agreement(self) -> dict[int, float]:
         """Code agreement per layer over all its audited elements (input of rank_layers_by_mismatch)."""
         totals: dict[int, SiteAgreement] = {}

@@ -440,6 +440,11 @@ class BatchRecord:
         return replace(self, data=self.data[:, :length], routes=self.routes[:, :, :length],
                        valid=self.valid[:, :length], _refs={})
 
+    def rows(self, rows: slice) -> BatchRecord:
+        """Sequences `rows` (views): a micro-batch's record."""
+        return replace(self, data=self.data[rows], routes=self.routes[:, rows], valid=self.valid[rows],
+                       policy_versions=self.policy_versions[rows], _refs={})
+
     def compact(self, mode: str | None = None, layers: Iterable[int] | None = None,
                 sites: Iterable[str] | None = None) -> BatchRecord:
         """A smaller batch record on the same device: only `layers` and `sites` (None: all), and parity bits instead

@@ -56,6 +56,23 @@ class TrainBatch:
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
 
+    def rows(self, rows: slice) -> TrainBatch:
+        """Sequences `rows` of this batch (views, the same padded width): a micro-batch of the training step. Its
+        group_size stays the batch's: advantages are computed on the whole batch, before it is split."""
+        def cut(record: Any) -> Any:
+            return None if record is None else record.rows(rows)
+
+        return TrainBatch(self.tokens[rows], self.attention_mask[rows], self.response_mask[rows],
+                          self.rollout_logprobs[rows], self.rewards[rows], self.group_size, self.policy_version,
+                          None if self.routes is None else [r[rows] for r in self.routes], cut(self.record),
+                          cut(self.audit_record), self.samples, self.rollout_stats)
+
+
+def micro_batches(rows: int, size: int | None) -> list[slice]:
+    """Row slices of at most `size` rows covering 0..rows-1 (one slice for None)."""
+    step = rows if size is None else max(1, size)
+    return [slice(a, min(rows, a + step)) for a in range(0, rows, step)]
+
 
 def spans(starts: list[int], stops: list[int], width: int) -> Tensor:
     """(B, width) mask of columns starts[b] <= c < stops[b]: where a row's ragged values go, in one op."""

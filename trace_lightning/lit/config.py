@@ -110,6 +110,9 @@ class RolloutConfig:
     """Samples per prompt (the GRPO group)."""
     max_new_tokens: int = 6
     """Response length cap."""
+    min_new_tokens: int = 0
+    """RL rollouts sample no stop token before this many response tokens (vLLM's min_tokens; evaluation is not
+    held back): long, fixed-length responses for a rollout-dominated step, e.g. conf/gpu_long.yaml."""
     temperature: float = 1.0
     """Sampling temperature (logprobs on both sides are taken at this temperature)."""
     top_k: int = 0
@@ -126,6 +129,10 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens"):
             check_int(f"rollout.{name}", getattr(self, name), 1)
+        check_int("rollout.min_new_tokens", self.min_new_tokens, 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"rollout.min_new_tokens ({self.min_new_tokens}) exceeds rollout.max_new_tokens "
+                             f"({self.max_new_tokens})")
         if self.max_batch is not None:
             check_int("rollout.max_batch", self.max_batch, 1)
         if self.prefill_chunk is not None:
@@ -172,8 +179,11 @@ class RLConfig:
         check_real("rl.tis_cap", self.tis_cap, 0.0, low_open=True)
 
 
-def check_run_args(rl: RLConfig, rollout: RolloutConfig, *, lr: float, warmup_lr: float, warmup_steps: int) -> None:
+def check_run_args(rl: RLConfig, rollout: RolloutConfig, *, lr: float, warmup_lr: float, warmup_steps: int,
+                   micro_batch_size: int | None = None) -> None:
     """The checks that span configs, and the module's own numbers: all before any weight is built."""
+    if micro_batch_size is not None:
+        check_int("micro_batch_size", micro_batch_size, 1)
     if rl.advantage == "rloo" and rollout.group_size < 2:
         raise ValueError(f"rl.advantage 'rloo' needs rollout.group_size >= 2, got {rollout.group_size}")
     check_real("lr", lr, 0.0, low_open=True)

@@ -73,18 +73,34 @@ def loss_scale(mask: Tensor, agg_mode: str, dp: DataParallel, reduce: Reduce) ->
         return torch.ones((), device=mask.device)
     local = loss_denominators(mask)
     summed, width = reduce(local.clone(), "sum"), reduce(local[3:].clone(), "max")[0]
-    counts = {
-        "token_mean": (local[0], summed[0]),
-        "seq_mean_token_mean": (local[1], summed[1]),
-        "seq_mean_token_sum": (local[2], summed[2]),
-        "seq_mean_token_sum_norm": (local[2] * local[3], summed[2] * width),
-    }
+    return (_part_count(local, local[3], agg_mode) * dp.size / _total_count(summed, width, agg_mode)).float()
+
+
+def micro_batch_share(part: Tensor, whole: Tensor, agg_mode: str) -> Tensor:
+    """Factor that turns a micro-batch's aggregated loss (rows of a batch, the batch's padded width) into its share
+    of the whole batch's: the sum of the micro-batches' scaled losses is the whole batch's loss. float32 []."""
+    width = loss_denominators(whole)[3]
+    return (_part_count(loss_denominators(part), width, agg_mode)
+            / _total_count(loss_denominators(whole), width, agg_mode)).float()
+
+
+def _counts(denominators: Tensor, width: Tensor, agg_mode: str) -> Tensor:
+    """The count agg_mode divides by, from loss_denominators (width: the padded width it normalizes by)."""
+    counts = {"token_mean": 0, "seq_mean_token_mean": 1, "seq_mean_token_sum": 2, "seq_mean_token_sum_norm": 2}
     if agg_mode not in counts:
         raise ValueError(f"unknown loss aggregation {agg_mode!r}; expected one of {sorted(counts)}")
-    mine, total = counts[agg_mode]
-    if agg_mode in ("token_mean", "seq_mean_token_mean"):  # the local mean divides by max(count, 1)
-        mine = mine.clamp(min=1)
-    return (mine * dp.size / total.clamp(min=1)).float()
+    count = denominators[counts[agg_mode]]
+    return count * width if agg_mode == "seq_mean_token_sum_norm" else count
+
+
+def _part_count(denominators: Tensor, width: Tensor, agg_mode: str) -> Tensor:
+    """A part's count; the means' (token_mean, seq_mean_token_mean) divide by max(count, 1) (agg_loss)."""
+    count = _counts(denominators, width, agg_mode)
+    return count.clamp(min=1) if agg_mode in ("token_mean", "seq_mean_token_mean") else count
+
+
+def _total_count(denominators: Tensor, width: Tensor, agg_mode: str) -> Tensor:
+    return _counts(denominators, width, agg_mode).clamp(min=1)
 
 
 def _shard_rows(rows: int, world: int) -> list[int]:

@@ -9,6 +9,7 @@ WeightSync callback streams the new weights to the worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -22,9 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Problem
 from trace_lightning.guidance import FakeQuantHook, FiniteCheckHook, GuidedHook, ModelIdentity, NonFiniteActivationError
-from trace_lightning.lit.batch import DemoBatch, TrainBatch
+from trace_lightning.lit.batch import DemoBatch, TrainBatch, micro_batches
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
-from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale
+from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale, micro_batch_share
 from trace_lightning.lit.tensorboard import log_measured
 from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
@@ -46,6 +47,15 @@ def _as_config(cls: type, value: Any) -> Any:
     if value is None:
         return cls()
     return cls(**value) if isinstance(value, dict) else value
+
+
+def merged_hook(hooks: list[QuantHook | None]) -> QuantHook | None:
+    """The first micro-batch's hook holding every micro-batch's audit counts: what the callbacks read of a step."""
+    first = hooks[0]
+    for other in hooks[1:]:
+        if other is not None and hasattr(first, "absorb"):
+            first.absorb(other)
+    return first
 
 
 class NonFiniteError(RuntimeError):
@@ -97,6 +107,7 @@ class PolicyModule(L.LightningModule):
         seed: int = 0,
         cpu_threads: int = 0,
         init_from: str | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         """
         Args:
@@ -119,6 +130,9 @@ class PolicyModule(L.LightningModule):
             init_from: Start from the policy weights of a trace-rl checkpoint (e.g. a shared warm start) with
                 this run's own settings; step and optimizer start fresh. (`--ckpt_path` instead resumes a run,
                 and LightningCLI then takes the run's settings from the checkpoint.)
+            micro_batch_size: Sequences per forward and backward pass; a step's gradients accumulate over its
+                micro-batches before the one optimizer step (the same update up to float summation order), so long
+                responses train within memory. None: the whole batch in one pass.
         """
         super().__init__()
         self.trace = _as_config(TraceConfig, trace)
@@ -130,7 +144,10 @@ class PolicyModule(L.LightningModule):
         self.method: MethodSpec = get_method(self.trace.method)
         self.fmt = parse_format(self.trace.fmt)
         self.correction = self.rl.correction or self.method.correction
-        check_run_args(self.rl, self.rollout_cfg, lr=lr, warmup_lr=warmup_lr, warmup_steps=warmup_steps)
+        check_run_args(self.rl, self.rollout_cfg, lr=lr, warmup_lr=warmup_lr, warmup_steps=warmup_steps,
+                       micro_batch_size=micro_batch_size)
+        # Manual optimization: a step is zero_grad, a backward per micro-batch, one optimizer step (training_step).
+        self.automatic_optimization = False
         if self.correction not in CORRECTIONS:
             raise ValueError(f"unknown rl.correction {self.correction!r}; expected one of {sorted(CORRECTIONS)}")
         self.loss_config = PolicyLossConfig(
@@ -191,9 +208,8 @@ class PolicyModule(L.LightningModule):
             log_measured(self, {"time/step_s": self._step_start - self._last_step_start}, self.global_step - 1)
         self._last_step_start = self._step_start
 
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        """The optimizer step, then the step's training time (forward, backward, step; not rollout or sync)."""
-        super().optimizer_step(*args, **kwargs)
+    def _log_train_time(self) -> None:
+        """The step's training time (forward, backward, optimizer step; not rollout or sync) and peak memory."""
         train_s = device_time(self.device) - self._step_start
         metrics = {"time/train_s": train_s, "train/tokens_per_s": self._step_tokens / max(train_s, 1e-9),
                    "time/batch_s": self.batch_s}
@@ -211,20 +227,41 @@ class PolicyModule(L.LightningModule):
             group["lr"] = lr
 
     def training_step(self, batch: DemoBatch | TrainBatch, batch_idx: int) -> dict[str, Any]:
+        """One optimizer step: the gradients of every micro-batch of the batch, then the update."""
         self._set_lr()
         self._step_tokens = int(batch.attention_mask.sum())
-        if isinstance(batch, DemoBatch):
-            return self.supervised_step(batch)
-        return self.rl_step(batch)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        out = self.supervised_step(batch) if isinstance(batch, DemoBatch) else self.rl_step(batch)
+        optimizer.step()
+        self._log_train_time()  # Lightning counts the step once training_step returns
+        return out
+
+    def micro_batches(self, rows: int) -> list[slice]:
+        return micro_batches(rows, self.hparams.micro_batch_size)
+
+    def accumulate_backward(self, loss: Tensor, last: bool) -> None:
+        """Backward of one micro-batch's loss; under DDP only the last one all-reduces the accumulated gradients."""
+        sync = getattr(self.trainer.strategy, "block_backward_sync", None) if not last else None
+        with sync() if sync is not None else contextlib.nullcontext():
+            self.manual_backward(loss)
 
     def supervised_step(self, batch: DemoBatch) -> dict[str, Any]:
-        logits = self.policy(batch.tokens[:, :-1], attention_mask=batch.attention_mask[:, :-1])
-        targets = batch.tokens[:, 1:].masked_fill(~batch.target_mask, -100)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        self._check_finite(loss, "supervised loss")
-        loss = loss * self.loss_scale(batch.target_mask, "token_mean")
-        log_measured(self, {"train/sft_loss": loss.detach()}, self.global_step, batch.tokens.shape[0])
-        return {"loss": loss}
+        total = torch.zeros((), device=batch.tokens.device)
+        parts = self.micro_batches(batch.tokens.shape[0])
+        for i, rows in enumerate(parts):
+            tokens, mask, targets_mask = batch.tokens[rows], batch.attention_mask[rows], batch.target_mask[rows]
+            logits = self.policy(tokens[:, :-1], attention_mask=mask[:, :-1])
+            targets = tokens[:, 1:].masked_fill(~targets_mask, -100)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            self._check_finite(loss, "supervised loss")
+            if len(parts) > 1:
+                loss = loss * micro_batch_share(targets_mask, batch.target_mask, "token_mean")
+            loss = loss * self.loss_scale(batch.target_mask, "token_mean")
+            self.accumulate_backward(loss, last=i == len(parts) - 1)
+            total += loss.detach()
+        log_measured(self, {"train/sft_loss": total}, self.global_step, batch.tokens.shape[0])
+        return {"loss": total}
 
     def training_hook(self, batch: TrainBatch) -> QuantHook | None:
         valid = batch.attention_mask[:, :-1]
@@ -255,17 +292,25 @@ class PolicyModule(L.LightningModule):
         return logprobs, out.routes
 
     def rl_step(self, batch: TrainBatch) -> dict[str, Any]:
-        hook = self.training_hook(batch)
-        logprobs, routes = self.training_forward(batch, hook)
-        mask = batch.response_mask
-        self._check_finite(logprobs.masked_fill(~mask, 0.0), "training logprobs")
-        advantages = ADVANTAGES[self.rl.advantage](batch.rewards, batch.group_size)
-        loss, stats = policy_loss(logprobs, None, batch.rollout_logprobs, advantages, mask, self.loss_config)
-        self._check_finite(loss, "policy loss")
+        advantages = ADVANTAGES[self.rl.advantage](batch.rewards, batch.group_size)  # whole groups, before the split
+        agg, mask = self.loss_config.agg_mode, batch.response_mask
         # Each rank's share of the global loss and token-mean stats; sync_dist's rank mean is then the global value.
-        loss = loss * self.loss_scale(mask, self.loss_config.agg_mode)
-        token_share = self.loss_scale(mask, "token_mean")
-        stats = {key: value * token_share for key, value in stats.items()} | {"policy/loss": loss.detach()}
+        rank_share, rank_token_share = self.loss_scale(mask, agg), self.loss_scale(mask, "token_mean")
+        parts = self.micro_batches(batch.tokens.shape[0])
+        outs = []
+        for i, rows in enumerate(parts):
+            part = batch.rows(rows) if len(parts) > 1 else batch
+            share, token_share = rank_share, rank_token_share
+            if len(parts) > 1:  # this micro-batch's share of the batch's aggregate
+                share = share * micro_batch_share(part.response_mask, mask, agg)
+                token_share = token_share * micro_batch_share(part.response_mask, mask, "token_mean")
+            outs.append(self.rl_micro_step(part, advantages[rows], share, token_share, last=i == len(parts) - 1))
+        loss = torch.stack([o["loss"] for o in outs]).sum()
+        stats = {key: torch.stack([o["stats"][key] for o in outs]).sum() for key in outs[0]["stats"]}
+        stats |= {"policy/loss": loss}
+        logprobs = torch.cat([o["logprobs"] for o in outs])
+        routes = [torch.cat(layer) for layer in zip(*(o["routes"] for o in outs), strict=True)]
+        hook = merged_hook([o["hook"] for o in outs])
         n = batch.tokens.shape[0]
         # Constant by construction, so not logged: one update per batch (old policy = this one) keeps clip_frac
         # and approx_kl at 0, policy/loss repeats train/loss, a correction of "none" weighs every token 1.
@@ -274,7 +319,22 @@ class PolicyModule(L.LightningModule):
         measured = {"train/loss": loss.detach(), "reward/mean": batch.rewards.mean(),
                     **{k: v for k, v in stats.items() if k not in skip}}
         log_measured(self, measured, self.global_step, n)
-        return {"loss": loss, "logprobs": logprobs.detach(), "routes": routes, "hook": hook}
+        return {"loss": loss, "logprobs": logprobs, "routes": routes, "hook": hook}
+
+    def rl_micro_step(self, part: TrainBatch, advantages: Tensor, share: Tensor, token_share: Tensor,
+                      last: bool) -> dict[str, Any]:
+        """Forward and backward of one micro-batch: its loss scaled to its share of the step's, its token-mean
+        stats likewise, and what the callbacks read (logprobs, routes, the hook's audit)."""
+        hook = self.training_hook(part)
+        logprobs, routes = self.training_forward(part, hook)
+        mask = part.response_mask
+        self._check_finite(logprobs.masked_fill(~mask, 0.0), "training logprobs")
+        loss, stats = policy_loss(logprobs, None, part.rollout_logprobs, advantages, mask, self.loss_config)
+        self._check_finite(loss, "policy loss")
+        loss = loss * share
+        self.accumulate_backward(loss, last)
+        return {"loss": loss.detach(), "stats": {k: v.detach() * token_share for k, v in stats.items()},
+                "logprobs": logprobs.detach(), "routes": [r.detach() for r in routes], "hook": hook}
 
     def _check_finite(self, value: Tensor, what: str) -> None:
         if not bool(torch.isfinite(value).all()):

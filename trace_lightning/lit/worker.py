@@ -122,10 +122,11 @@ class RolloutWorker(L.LightningModule):
 
     def sampling_params(self, seed: int | Sequence[int], greedy: bool = False) -> SamplingParams:
         """How rollouts (greedy: evaluation and predict) sample: the rollout settings, ending at the tokenizer's stop
-        ids (eos, and a checkpoint's other end-of-generation ids)."""
+        ids (eos, and a checkpoint's other end-of-generation ids), not before min_new_tokens in RL rollouts."""
         r = self.rollout_cfg
         return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
-                              top_k=r.top_k, top_p=r.top_p, seed=seed, stop_token_ids=self.tokenizer.stop_ids)
+                              top_k=r.top_k, top_p=r.top_p, seed=seed, stop_token_ids=self.tokenizer.stop_ids,
+                              min_new_tokens=0 if greedy else r.min_new_tokens)
 
     def encode_prompt(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode_prompt(problem.prompt)
