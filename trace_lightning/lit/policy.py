@@ -208,7 +208,7 @@ class PolicyModule(L.LightningModule):
             log_measured(self, {"time/step_s": self._step_start - self._last_step_start}, self.global_step - 1)
         self._last_step_start = self._step_start
 
-    def _log_train_time(self) -> None:
+    def _log_train_time(self, step: int) -> None:
         """The step's training time (forward, backward, optimizer step; not rollout or sync) and peak memory."""
         train_s = device_time(self.device) - self._step_start
         metrics = {"time/train_s": train_s, "train/tokens_per_s": self._step_tokens / max(train_s, 1e-9),
@@ -216,7 +216,7 @@ class PolicyModule(L.LightningModule):
         peak = peak_memory_gib(self.device)  # since the last step's: this step's rollout, sync and training
         if peak is not None:
             metrics["memory/peak_gib"] = peak
-        log_measured(self, metrics, self.global_step)  # Lightning counts the step once this hook returns
+        log_measured(self, metrics, step)
 
     def in_warmup(self, step: int | None = None) -> bool:
         return (self.global_step if step is None else step) < self.warmup_steps
@@ -230,11 +230,11 @@ class PolicyModule(L.LightningModule):
         """One optimizer step: the gradients of every micro-batch of the batch, then the update."""
         self._set_lr()
         self._step_tokens = int(batch.attention_mask.sum())
-        optimizer = self.optimizers()
+        optimizer, step = self.optimizers(), self.global_step
         optimizer.zero_grad()
         out = self.supervised_step(batch) if isinstance(batch, DemoBatch) else self.rl_step(batch)
-        optimizer.step()
-        self._log_train_time()  # Lightning counts the step once training_step returns
+        optimizer.step()  # counts the step: global_step is step + 1 from here
+        self._log_train_time(step)
         return out
 
     def micro_batches(self, rows: int) -> list[slice]:
