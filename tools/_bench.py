@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -117,6 +118,18 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], rounds: int, warmu
             if r >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None, runs: int = 5) -> float:
+    """This device's measured copy bandwidth, bytes/s read + written (best of `runs` copies of `nbytes`: 2 GiB on a
+    GPU, 256 MiB on the CPU): the roofline an engine's decode step is held to, measured here, not quoted."""
+    nbytes = nbytes or (2 << 30 if device.type == "cuda" else 256 << 20)
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = timed_s(functools.partial(dst.copy_, src), device, runs=1)
+    for _ in range(runs - 1):
+        best = min(best, timed_s(functools.partial(dst.copy_, src), device, runs=1))
+    return 2 * nbytes / best
 
 
 def timed_s(fn: Callable[[], object], device: torch.device, runs: int = 3) -> float:

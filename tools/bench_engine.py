@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _bench import copy_bandwidth
 
 from trace_lightning.model import MoEConfig, Transformer
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, RolloutBatch, SamplingParams, sequence_seeds
@@ -104,7 +105,8 @@ def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, 
     batch = batch or largest_batch(engine, max_len, prompt_len, capture, reserve_gib)
     prompts = random_prompts(batch, prompt_len, engine.config.vocab_size)
     engine.generate(prompts, SamplingParams(max_new_tokens=8), capture=capture)  # warm-up: compile, autotune
-    best = {"batch": float(batch), "tok/s": 0.0, "decode tok/s": 0.0, "prefill ms": float("inf")}
+    best = {"batch": float(batch), "tok/s": 0.0, "decode tok/s": 0.0, "prefill ms": float("inf"),
+            "ms/step": float("inf")}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(repeats):
@@ -117,10 +119,13 @@ def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, 
         best["tok/s"] = max(best["tok/s"], out.stats["new_tokens"] / elapsed)
         best["decode tok/s"] = max(best["decode tok/s"], decoded / out.stats["decode_s"])
         best["prefill ms"] = min(best["prefill ms"], 1000 * out.stats["prefill_s"])
+        best["ms/step"] = min(best["ms/step"], 1000 * out.stats["decode_s"] / max(out.stats["decode_steps"], 1))
         del out
     best["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     plan = engine.memory_plan(batch, max_len, capture, prompt_len=prompt_len, workspace=True)  # measures: after peak
     best["plan GiB"], best["workspace GiB"] = plan.total / 2**30, plan.workspace / 2**30
+    # the bytes an average decode step must move (weights touched, KV at the mean context, records written)
+    best["MB/step"] = engine.decode_step_traffic(batch, max_len - params.max_new_tokens / 2, capture).total / 1e6
     return best
 
 
@@ -222,8 +227,11 @@ def main() -> None:
         main_long_tail(make_model, prompts, args)
         return
     names = args.precision or (list(ON_GPU) if args.device.startswith("cuda") else list(PRECISIONS))
-    print("| precision | batch | tok/s (whole call) | decode tok/s | prefill ms | peak GiB | plan GiB "
-          "| of it workspace |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    bandwidth = copy_bandwidth(torch.device(args.device))
+    print(f"measured copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + written); a decode step's floor is its bytes "
+          "over it")
+    print("| precision | batch | tok/s (whole call) | decode tok/s | prefill ms | ms/step | MB/step | GB/s "
+          "| of copy bw | peak GiB | plan GiB | of it workspace |\n|---|" + "---:|" * 11)
     for name in names:
         dense_from = args.prefill_dense_from if isinstance(PRECISIONS[name], FP4Precision) else None
         capture = CAPTURES.get(name)
@@ -234,7 +242,9 @@ def main() -> None:
             capture = dataclasses.replace(capture, layers=set(range(max(0, n - args.record_layers), n)))
         r = bench(make_model, PRECISIONS[name], args.batch, args.prompt_len, params, args.repeats, capture,
                   args.backend, dense_from, args.reserve_gib, args.prefill_chunk)
+        gbps = r["MB/step"] / r["ms/step"]
         print(f"| {name} | {r['batch']:.0f} | {r['tok/s']:.0f} | {r['decode tok/s']:.0f} | {r['prefill ms']:.1f} | "
+              f"{r['ms/step']:.2f} | {r['MB/step']:.1f} | {gbps:.1f} | {gbps * 1e9 / bandwidth:.0%} | "
               f"{r['peak GiB']:.2f} | {r['plan GiB']:.2f} | {r['workspace GiB']:.2f} |")
 
 

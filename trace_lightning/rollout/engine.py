@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from trace_lightning.guidance.compaction import route_bytes_per_token
 from trace_lightning.guidance.layout import RecordLayout, site_rows
 from trace_lightning.guidance.record import digest_stats, tensor_digests, weights_fingerprint
 from trace_lightning.model.model import Attention, ModelOutput, RMSNorm, Router
@@ -46,10 +47,12 @@ from trace_lightning.rollout.decode import DecodeLoop, DecodeSession, DecodeStat
 from trace_lightning.rollout.precision import FP4Precision, resolve_precision
 from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
 from trace_lightning.rollout.slots import SlotLoop, SlotState
+from trace_lightning.rollout.traffic import StepTraffic, decode_step_traffic
 from trace_lightning.timing import device_time
 
 if TYPE_CHECKING:
     from trace_lightning.kernels import KernelOptions
+    from trace_lightning.quant import FP4Format
 
 GRAPH_LENGTH_STEP = 64
 """A kept decode session's cache length is the call's rounded up to a multiple of this."""
@@ -433,6 +436,31 @@ class Engine:
             held += [d for d in dense if d is not None]
         return memory.tensor_bytes(self.model, held)
 
+    @property
+    def kv_format(self) -> FP4Format | None:
+        """The KV cache's FP4 format (None: a dense cache in the compute dtype)."""
+        return self.fp4.activation_format if self.fp4 is not None and self.fp4.kv else None
+
+    def decode_step_traffic(self, batch: int, context: float, capture: CaptureSpec | None = None) -> StepTraffic:
+        """Bytes a decode step of `batch` rows at `context` cached positions must move: its roofline's numerator."""
+        layout = self.record_layout(capture)
+        record = (layout.width if layout is not None else 0) + route_bytes_per_token(self.config)
+        return decode_step_traffic(self.config, self.weight_bytes_by_name(), batch, context,
+                                   memory.kv_bytes_per_token(self.config, self.compute_dtype, self.kv_format), record)
+
+    def weight_bytes_by_name(self) -> dict[str, int]:
+        """Each parameter's bytes as the engine computes with it: FP4 codes and scales, or the dense tensor (what a
+        decode step reads of it: rollout/traffic.py)."""
+        held: dict[str, int] = {}
+        for name, (module, key) in self._fp4_weights.items():
+            q = module.q[key] if isinstance(module.q, dict) else module.q
+            held[name] = sum(v.numel() * v.element_size() for f in dataclasses.fields(q)
+                             if isinstance(v := getattr(q, f.name), Tensor))
+        for name, t in self._dense.items():
+            if name not in held and not (self.config.tie_embeddings and name == "output.weight"):  # tied: once
+                held[name] = t.numel() * t.element_size()
+        return held
+
     def memory_plan(self, batch: int, max_len: int, capture: CaptureSpec | None = None, *,
                     max_batch: int | None = None, prompt_len: int | None = None,
                     workspace: bool = False) -> memory.MemoryPlan:
@@ -442,10 +470,9 @@ class Engine:
         (workspace_bytes: the prefill of `prompt_len` positions, default max_len, in prefill_chunk pieces, or a
         decode step). A record streamed to the host (capture.stream_to_host) costs the device a ring as long as the
         longest prompt or the check interval."""
-        fp4, layout = self.fp4, self.record_layout(capture)
-        kv_fmt = fp4.activation_format if fp4 is not None and fp4.kv else None
+        layout = self.record_layout(capture)
         slots, prompt = _slot_count(max_batch, batch), max_len if prompt_len is None else prompt_len
-        plan = memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, kv_fmt,
+        plan = memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, self.kv_format,
                            layout.width if layout is not None else 0, slots, self._ring(capture, prompt))
         if not workspace:
             return plan
