@@ -19,3 +19,16 @@ def test_gpu_config_stacks_on_sim() -> None:
     assert ns.trainer.callbacks[0].init_args.audit_every > 0  # the weight audit stays on
     assert ns.trainer.callbacks[3].init_args.bf16_reference_every == 10
     assert ns.trainer.logger.class_path.endswith("RunLogger")
+
+
+def test_long_gpu_config_stacks_on_gpu_with_long_responses_and_micro_batches() -> None:
+    """conf/gpu_long.yaml: the rollout-dominated fit (medium-moe, 256 x 1024-token responses, micro-batched)."""
+    parser = main(["--config", str(CONF / "sim.yaml")], run=False).parser
+    ns = parser.parse_args([arg for name in ("sim.yaml", "gpu.yaml", "gpu_long.yaml")
+                            for arg in ("--config", str(CONF / name))])
+    assert ns.trainer.accelerator == "gpu" and ns.model.model == "medium-moe" and ns.data.env == "countdown"
+    rollout = ns.model.rollout
+    assert rollout.prompts_per_step * rollout.group_size == 256
+    assert rollout.min_new_tokens == rollout.max_new_tokens == 1024
+    assert ns.model.micro_batch_size == 16 and ns.model.trace.backend == "auto"
+    assert ns.trainer.callbacks[3].init_args.bf16_reference_every == 50

@@ -164,6 +164,11 @@ configs: list[dict[str, Any]] = [
     dict(name="small-moe", vocab_size=32768, dim=512, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=64,
          moe_intermediate=384, n_experts=32, top_k=4, norm_topk_prob=True, qk_norm="head", rope_theta=1e6,
          max_seq_len=4096),
+    # ~1.76B total / ~0.35B active: the rollout-dominated GPU fit (conf/gpu_long.yaml), a Qwen3-MoE block at OLMoE's
+    # expert count, small enough to train with AdamW on one 80 GB card, large enough that decoding reads GBs a step.
+    dict(name="medium-moe", vocab_size=32768, dim=1024, n_layers=16, n_heads=16, n_kv_heads=4, head_dim=128,
+         moe_intermediate=512, n_experts=64, top_k=8, norm_topk_prob=True, qk_norm="head", rope_theta=1e6,
+         max_seq_len=8192),
     # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
     dict(name="qwen3-30b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
          moe_intermediate=768, n_experts=128, top_k=8, norm_topk_prob=True, qk_norm="head", rope_theta=1e6,
