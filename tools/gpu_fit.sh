@@ -12,15 +12,20 @@
 #   6. (part `methods`, not in `all`) bf16, fp4_qat and trace_compact from one shared warm start, RL_STEPS each
 #      (tools/run_methods.py, resumable: call it again on the same warm machine and it goes on where the last call's
 #      time limit stopped it); results.md's GPU section, its figures and the per-method JSON come back in $OUT;
+#   8. (part `long`, not in `all`) conf/gpu_long.yaml, the rollout-dominated fit: 20 warm-start steps, then RL_STEPS RL
+#      steps of 256 x 1024-token rollouts, for each METHOD in turn (default trace_compact then bf16), same seed; the
+#      step-time breakdown of each as a table;
 #   7. (part `frontier`, not in `all`) k3_kl against record bytes/token over the layer policies (tools/mismatch_table.py
 #      --policies) on the fit's checkpoint if the machine still holds it, else after a 300-step warm start.
 # The GPU image lacks jsonargparse, omegaconf and reasoning-gym (and its needs): they travel as wheels in .whl
 # (see .whl/README in the closing notes; `run(..., carry=[".whl"])`).
-# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench|methods|frontier]   (default 30 RL steps after 20 warm-start steps: the
+# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench|methods|frontier|long] [METHOD ...]   (default 30 RL steps after 20 warm-start steps: the
 # step-50 checkpoint conf/gpu.yaml saves is the one part 5 rolls out from)
 set -uo pipefail
 RL=${1:-30}
 PART=${2:-all}  # all, or one of tests / fit / bench: shorter calls lose less when a machine is taken back
+shift $(( $# < 2 ? $# : 2 ))
+LONG_METHODS=${*:-trace_compact bf16}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -75,4 +80,19 @@ if [ "$PART" = frontier ]; then
   timeout 560 python3 tools/mismatch_table.py --preset small-moe --env countdown --device cuda --policies --steps 4 \
     --prompts 64 --max-new-tokens 128 --json "$OUT/frontier.json" ${CKPT:+--checkpoint "$CKPT"} \
     $([ -z "$CKPT" ] && echo --train-steps 300) 2>&1 | tee "$OUT/frontier.log" | grep "^#\|^| \|Error" | head -60
+fi
+if [ "$PART" = long ]; then
+  for METHOD in $LONG_METHODS; do
+    echo "## 8. the rollout-dominated fit (conf/gpu_long.yaml), $METHOD: 20 warm-start + $RL RL steps"
+    rm -rf runs/gpu
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout ${LONG_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
+      --config conf/gpu_long.yaml --config "conf/method/$METHOD.yaml" --trainer.max_steps $((20 + RL)) \
+      --model.warmup_steps 20 --trainer.val_check_interval $((20 + RL)) --trainer.limit_val_batches 0 2>&1 \
+      | tee "$OUT/long_$METHOD.log" | grep -v Warning | tail -6
+    RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
+    [ -n "$RUN" ] && python3 tools/tb_summary.py "$RUN" --match time/ rollout/ train/tokens memory/ mismatch/k3 \
+      reward/mean | tee "$OUT/long_$METHOD.md"
+    mkdir -p "$OUT/long_$METHOD"
+    [ -n "$RUN" ] && (cd "$RUN" && find . -name 'events.*' -exec cp --parents {} "$OUT/long_$METHOD" \;)
+  done
 fi

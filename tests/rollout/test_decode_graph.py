@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import types
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -96,6 +97,19 @@ def test_cuda_graph_decode_equals_eager_decode(base_model: Transformer, precisio
     assert graph.stats["graph_steps"] > 0 and eager.stats["graph_steps"] == 0
     assert graph.stats["capture_s"] > 0.0 and eager.stats["capture_s"] == 0.0
     assert_same_rollout(graph, eager)  # the CPU's 4-ulp logprob allowance: not yet measured on a GPU
+
+
+@pytest.mark.gpu
+def test_cuda_graph_captures_stop_tokens_held_back(base_model: Transformer) -> None:
+    """min_new_tokens inside the captured step (a host copy there makes the capture fall back to eager steps)."""
+    model = copy.deepcopy(base_model).to("cuda")
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=3, stop_token_ids=[1, 2], min_new_tokens=10)
+    eager = Engine(copy.deepcopy(model), "bf16", cuda_graph=False).generate(PROMPTS, params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback warns
+        graph = Engine(copy.deepcopy(model), "bf16", cuda_graph=True).generate(PROMPTS, params)
+    assert graph.stats["graph_steps"] > 0
+    assert_same_rollout(graph, eager)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["on-device", "streamed"])

@@ -83,8 +83,9 @@ def suppress_early(scores: Tensor, step: int | Tensor, banned: Tensor | None, un
     if banned is None or until <= 0 or banned.numel() == 0:
         return scores
     early = torch.as_tensor(step, device=scores.device).reshape(-1, 1) < until  # (1 or B, 1)
-    banned_cols = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
-    banned_cols[banned] = True
+    # index_fill_ takes the value as a scalar argument; `cols[banned] = True` would copy a host tensor, which a
+    # CUDA-graph capture refuses
+    banned_cols = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device).index_fill_(0, banned, True)
     return scores.masked_fill(early & banned_cols, float("-inf"))
 
 
