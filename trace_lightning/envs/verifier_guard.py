@@ -168,13 +168,14 @@ def dataset_name(dataset: Any) -> str | None:
 
 
 def admits(verifier: str | Any, answer: str, entry: dict[str, Any] | None = None) -> bool:
-    """Whether `answer` may reach the verifier that scores `entry`: a dataset name, or a reasoning-gym dataset object
-    seen through its wrappers (scoring_chain). An expression verifier's only when check_expression passes it
-    (anything else scores 0 unread); another registered verifier's always (the list verifiers are guarded inside);
-    an unknown verifier's never. Never raises: an answer whose screening fails is refused."""
+    """Whether `answer` may reach the verifier that scores `entry`: a dataset name (never a wrapper's), or a
+    reasoning-gym dataset object seen through its wrappers (scoring_chain). An expression verifier's only when
+    check_expression passes it (anything else scores 0 unread); another registered verifier's always (the list
+    verifiers are guarded inside); an unknown verifier's never. Never raises: an answer whose screening fails is
+    refused."""
     try:
-        if isinstance(verifier, str):
-            name: str | None = verifier
+        if isinstance(verifier, str):  # a name says nothing of the part a wrapper hands the entry to: refused
+            name: str | None = None if verifier in _wrapper_names() else verifier
         else:
             name = dataset_name(scoring_chain(verifier, entry if entry is not None else {})[-1])
         if name is None:
@@ -249,6 +250,11 @@ def _registered_names() -> dict[type, str]:
     from reasoning_gym.factory import DATASETS
 
     return {cls: name for name, (cls, _) in DATASETS.items()}
+
+
+@functools.cache
+def _wrapper_names() -> frozenset[str]:
+    return frozenset(name for cls, name in _registered_names().items() if _class_name(cls) in WRAPPERS)
 
 
 def _literal_eval(source: Any, *args: Any) -> Any:
