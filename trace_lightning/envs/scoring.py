@@ -9,10 +9,14 @@ worker that dies (memory limit, a crash in native code) or a verifier that raise
 `ScoreReport.stats` counts what happened for the step's log (reward/score_timeouts, reward/score_errors,
 time/score_s).
 
-Each worker also runs under rlimits: address space `memory_bytes`, CPU time `timeout_s` + 2 s per answer (a worker
-the trainer no longer watches still ends), no core files, no file writes (RLIMIT_FSIZE 0), no new processes or
-threads (RLIMIT_NPROC 0; not enforced for root), and few file descriptors. These bound what an answer can cost; they
-are not a sandbox for code: keeping code from running at all is the guard's job.
+Each worker also runs under rlimits: address space `memory_bytes` beyond what it maps once loaded, CPU time
+`timeout_s` + 2 s per answer (a worker the trainer no longer watches still ends), no core files, no file writes
+(RLIMIT_FSIZE 0), no new processes or threads (RLIMIT_NPROC 0; not enforced for root), and few file descriptors.
+These bound what an answer can cost; they are not a sandbox for code: keeping code from running at all is the
+guard's job.
+
+Workers start from a forkserver, so, as with any multiprocessing start method but fork, a script that scores must
+guard its entry point with `if __name__ == "__main__":` (the `trace-rl` command and pytest do).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ SCORE_TIMEOUT_S = 3.0
 """Default wall clock per answer (ReasoningGymEnv's `score_timeout_s`, set through data.env_kwargs)."""
 
 MEMORY_BYTES = 2 << 30
-"""Default address-space limit of a scoring worker (reasoning-gym and sympy loaded take about 240 MB)."""
+"""Default address space a scoring worker may add to what it maps once loaded (reasoning-gym and sympy: ~240 MB)."""
 
 START_TIMEOUT_S = 120.0
 """How long a new worker may take to load the verifier before the pool gives up (a broken install, not an answer)."""
@@ -254,9 +258,20 @@ def _serve(conn: Connection, verifier: bytes, prepare: Callable[[], None] | None
 def _limit(memory_bytes: int) -> None:
     """The worker's rlimits (the module docstring's list). Writes fail with EFBIG instead of killing the worker."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    for limit, value in ((resource.RLIMIT_AS, memory_bytes), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, 0),
+    for limit, value in ((resource.RLIMIT_AS, _address_space() + memory_bytes), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_FSIZE, 0),
                          (resource.RLIMIT_NPROC, 0), (resource.RLIMIT_NOFILE, OPEN_FILES)):
         hard = resource.getrlimit(limit)[1]
         soft = value if hard == resource.RLIM_INFINITY else min(value, hard)
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(limit, (soft, soft))
+
+
+def _address_space() -> int:
+    """Bytes of address space this process maps now (VmSize): what it loaded, which the limit comes on top of (a
+    BLAS started with many threads maps gigabytes it never touches)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
