@@ -8,6 +8,7 @@ make the guard raise. None of this needs the coding sandbox (bubblewrap), so the
   timeout counted, honest answers of the same batch still score, and the pool goes on scoring after its worker was
   killed; a verifier that sleeps, spins, exits, raises, returns NaN, allocates 4 GiB or writes a file costs its
   answer's reward and nothing else.
+- Workers never re-run the trainer's main module (no main guard needed, no torch imported in each worker).
 - Never raises: `admits`, `check_expression` (UnsafeAnswer only) and `score` on 3**1e999, deep nesting, long
   unary-minus chains, non-strings and malformed entries.
 """
@@ -309,3 +310,24 @@ def test_the_list_guard_holds_in_a_worker(tmp_path: Path) -> None:
         assert "eval" in inspect.getsource(type(env.data).score_answer)
     finally:
         env.close()
+
+
+def test_workers_never_rerun_the_main_module(tmp_path: Path) -> None:
+    """A script that scores, with no `if __name__ == "__main__":` guard: its workers do not run it again
+    (multiprocessing would, in each one: under `trace-rl`, importing torch and lightning there). Before, the
+    worker failed with multiprocessing's "bootstrapping phase" RuntimeError."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "runs"
+    script = tmp_path / "score_unguarded.py"
+    script.write_text(
+        "from trace_lightning.envs import make_env\n"
+        f"open({str(marker)!r}, 'a').write('run\\n')\n"
+        "env = make_env('countdown', size=2, score_workers=1)\n"
+        "p = env.problem(0)\n"
+        "print(env.score(p, p.answer))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1.0"] and marker.read_text() == "run\n"

@@ -15,8 +15,10 @@ Each worker also runs under rlimits: address space `memory_bytes` beyond what it
 These bound what an answer can cost; they are not a sandbox for code: keeping code from running at all is the
 guard's job.
 
-Workers start from a forkserver, so, as with any multiprocessing start method but fork, a script that scores must
-guard its entry point with `if __name__ == "__main__":` (the `trace-rl` command and pytest do).
+Workers start from a forkserver with reasoning-gym preloaded, and never re-run the trainer's main module (which
+multiprocessing does in every spawned or forkserver child: under `trace-rl` that imported torch and lightning,
+36 s and 1 GB of address space per worker on a loaded 2-core machine). So a script that scores needs no
+`if __name__ == "__main__":` guard, and a verifier must be importable from a module other than `__main__`.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ import os
 import pickle
 import resource
 import signal
+import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -110,6 +113,20 @@ class _Worker:
         self.conn.close()
 
 
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While a worker starts, `__main__` names no file or module, so multiprocessing does not re-run it there."""
+    main = sys.modules["__main__"]
+    saved = {key: vars(main)[key] for key in ("__file__", "__spec__") if key in vars(main)}
+    vars(main).pop("__file__", None)
+    vars(main)["__spec__"] = None
+    try:
+        yield
+    finally:
+        vars(main).pop("__spec__", None)
+        vars(main).update(saved)
+
+
 def _stop_all(workers: list[_Worker]) -> None:
     while workers:
         workers.pop().stop()
@@ -184,7 +201,8 @@ class ScoringPool:
         parent, child = _CONTEXT.Pipe()
         process = _CONTEXT.Process(target=_serve, args=(child, self.verifier, self.prepare, self.memory_bytes,
                                                         self.timeout_s), daemon=True, name="trace-lightning-scoring")
-        process.start()
+        with _main_module_hidden():
+            process.start()
         child.close()
         return _Worker(process, parent, time.monotonic())
 
