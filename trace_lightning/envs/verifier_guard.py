@@ -73,7 +73,7 @@ PURE_SCORERS: dict[str, tuple[tuple[str, ...], str]] = {
 """score_answer methods that only compare strings (==, `in`, len, Decimal equality) or hand the entry on: they end
 in time linear in the answer, so they score in the trainer's process. Each is pinned by a hash of its source and of
 the helpers it calls (source_hash): a reasoning-gym release that changes one scores it in a worker again, and
-tests/envs/test_verifier_guard.py fails until it is read and pinned anew."""
+tests/security/test_hostile_answers.py fails until it is read and pinned anew."""
 
 _OPERATORS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Mod, ast.FloorDiv, ast.UAdd, ast.USub)
 _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
