@@ -2,7 +2,8 @@
 tests need bubblewrap, except off CI.
 
 The coding sandbox refuses to run without `bwrap` (by design: nothing weaker is a boundary), so its test files
-cannot even be imported there. On a machine without it they are left out with a notice in the header; under CI
+cannot even be imported there. On a machine without it they are left out with a notice in the header (except
+tests/security/test_hostile_answers.py, which scores answers and never starts the sandbox); under CI
 (CI=true, where .ci/run installs bubblewrap) nothing is left out, so a missing tool fails loudly.
 """
 
@@ -32,6 +33,8 @@ if os.environ.get("CI") == "true":
     settings.load_profile("ci")
 
 _SANDBOX_TESTS = ("security", "envs/test_coding.py")
+_WITHOUT_SANDBOX = ("security/test_hostile_answers.py",)
+"""Files under tests/security that never start the sandbox (scoring of hostile answers): collected everywhere."""
 
 
 def _sandbox_unavailable() -> str | None:
@@ -39,7 +42,10 @@ def _sandbox_unavailable() -> str | None:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if _sandbox_unavailable() and any(str(collection_path).endswith(p) for p in _SANDBOX_TESTS):
+    path = collection_path.as_posix()
+    if not _sandbox_unavailable() or collection_path.is_dir() or any(path.endswith(p) for p in _WITHOUT_SANDBOX):
+        return None  # a folder's files are decided one by one
+    if any(path.endswith(p) or f"/{p}/" in path for p in _SANDBOX_TESTS):
         return True
     return None
 
@@ -50,7 +56,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"hypothesis profile {profile!r}: seed {seed}"]
     problem = _sandbox_unavailable()
     if problem is not None:
-        lines.append(f"sandbox tests left out ({', '.join(_SANDBOX_TESTS)}): {problem}")
+        lines.append(f"sandbox tests left out ({', '.join(_SANDBOX_TESTS)}; not {', '.join(_WITHOUT_SANDBOX)}): "
+                     f"{problem}")
     return lines
 
 

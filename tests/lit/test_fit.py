@@ -214,6 +214,7 @@ def test_fit_logs_each_metric_only_at_the_steps_it_was_measured(tmp_path: Path) 
     logged = _scalars(tmp_path / "fit" / "version_0")
     assert logged["train/sft_loss"] == [0, 1]  # not re-logged during RL
     assert logged["reward/mean"] == logged["mismatch/k3_kl"] == [2, 3, 4, 5]
+    assert logged["reward/score_timeouts"] == logged["reward/score_errors"] == logged["time/score_s"] == [2, 3, 4, 5]
     assert logged["agreement/own_codes"] == logged["agreement/used_values"] == [2, 4]
     assert logged["agreement_per_layer/own_codes/layer3/moe_down"] == [2, 4]  # audit steps only
     assert "mismatch_bf16/k3_kl" not in logged

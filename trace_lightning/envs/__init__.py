@@ -13,6 +13,7 @@ from trace_lightning.envs.reasoning import (
     extract_answer,
 )
 from trace_lightning.envs.sandbox import SandboxResult, run_sandboxed
+from trace_lightning.envs.scoring import ScoreReport, ScoringPool, score_responses
 
 __all__ = [
     "ANSWER_FORMATS",
@@ -30,6 +31,8 @@ __all__ = [
     "Problem",
     "ReasoningGymEnv",
     "SandboxResult",
+    "ScoreReport",
+    "ScoringPool",
     "SandboxUnavailable",
     "extract_answer",
     "make_env",
@@ -37,4 +40,5 @@ __all__ = [
     "register_env",
     "run_episode",
     "run_sandboxed",
+    "score_responses",
 ]

@@ -14,6 +14,12 @@ start with an answer scores 0. The extracted answer is scored by the dataset's o
 partial credit (e.g. 0.5 for "17" when the answer is "7", 0.05 for a wrong countdown expression) is
 rounded down to 0 unless `partial_credit=True`, so the sim reward is exactly 0 or 1.
 
+Scoring never raises and never stalls: the answer is screened for the verifier that actually reads it
+(verifier_guard.admits, through composite), pure string-compare verifiers score in this process, and every other
+verifier scores in a ScoringPool (envs/scoring.py) with `score_timeout_s` of wall clock per answer (default 3 s)
+on `score_workers` processes; a late or crashing verifier scores 0. `score_batch` scores a step's responses in
+parallel and counts timeouts and errors.
+
 Problems are generated lazily by index: the env holds `size` problems fixed by `seed`, and
 `sample(n, seed)` draws n distinct indices from them. reasoning-gym seeds item i with seed + i, so a
 held-out env should use a seed at least `size` away from the training env's. Each index is generated once and
@@ -23,6 +29,7 @@ demonstrations a warm-start step was most of a GPU step's host time.
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 from collections.abc import Callable
@@ -34,7 +41,8 @@ from reasoning_gym.utils import SYSTEM_PROMPTS
 from reasoning_gym.utils import extract_answer as tagged_answer
 
 from trace_lightning.envs.base import Problem, register_env
-from trace_lightning.envs.verifier_guard import admits, guard_verifier
+from trace_lightning.envs.scoring import SCORE_TIMEOUT_S, ScoreReport, ScoringPool
+from trace_lightning.envs.verifier_guard import admits, guard_list_verifiers, pure_scorer
 
 
 def _expression_prompt(entry: dict[str, Any]) -> str:
@@ -114,19 +122,45 @@ class ReasoningGymEnv:
         answer_format: str = "line",
         partial_credit: bool = False,
         max_answer_chars: int = 64,
+        score_timeout_s: float = SCORE_TIMEOUT_S,
+        score_workers: int | None = None,
         **dataset_kwargs: Any,
     ) -> None:
         self.name = dataset
         self.size, self.seed = size, seed
         self._settings = dict(dataset=dataset, prompt_format=prompt_format, answer_format=answer_format,
-                              partial_credit=partial_credit, max_answer_chars=max_answer_chars, **dataset_kwargs)
+                              partial_credit=partial_credit, max_answer_chars=max_answer_chars,
+                              score_timeout_s=score_timeout_s, score_workers=score_workers, **dataset_kwargs)
         self.prompt_fn = _lookup(PROMPT_FORMATS, prompt_format, "prompt format")
         self.answer_fmt = _lookup(ANSWER_FORMATS, answer_format, "answer format")
         self.partial_credit = partial_credit
         self.max_answer_chars = max_answer_chars
         self.data = reasoning_gym.create_dataset(dataset, size=size, seed=seed, **dataset_kwargs)
-        guard_verifier(dataset, self.data)  # model answers never run as code (envs/verifier_guard.py)
+        guard_list_verifiers()  # model answers never run as code (envs/verifier_guard.py)
+        try:
+            verifier = pickle.dumps(self.data)
+        except Exception as e:
+            raise ValueError(f"reasoning-gym dataset {dataset!r} cannot be sent to a scoring worker: {e}") from e
+        self._pool = ScoringPool(verifier, workers=score_workers, timeout_s=score_timeout_s,
+                                 prepare=guard_list_verifiers, preload=("reasoning_gym",))
         self._made: dict[int, Problem] = {}
+
+    def close(self) -> None:
+        """Stop the scoring workers (they also stop when the env is collected)."""
+        self._pool.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (pickled for a loader worker) gets a pool of its own, started when it first scores."""
+        state = dict(vars(self))
+        pool = state.pop("_pool")
+        state["_pool_settings"] = (pool.verifier, pool.workers, pool.timeout_s)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        verifier, workers, timeout_s = state.pop("_pool_settings")
+        vars(self).update(state)
+        self._pool = ScoringPool(verifier, workers=workers, timeout_s=timeout_s, prepare=guard_list_verifiers,
+                                 preload=("reasoning_gym",))
 
     def held_out(self) -> ReasoningGymEnv:
         """The same task from the next `size` item seeds: problems this env never draws (reasoning-gym seeds item i
@@ -159,18 +193,43 @@ class ReasoningGymEnv:
         return [self.problem(i) for i in indices]
 
     def score(self, problem: Problem, response: str) -> float:
-        answer = extract_answer(response, self.answer_fmt, self.max_answer_chars)
-        if answer is None or not admits(self.name, answer):
-            return 0.0
-        md = problem.metadata
-        entry = {"question": md["question"], "answer": md["rg_answer"], "metadata": md["rg_metadata"]}
-        try:
-            reward = float(self.data.score_answer(answer, entry))
-        except Exception:  # a verifier crash on odd input is a wrong answer, not a failed step
+        """The response's reward in [0, 1]; never raises, returns within about score_timeout_s."""
+        return self.score_batch([problem], [response]).rewards[0]
+
+    def score_batch(self, problems: list[Problem], responses: list[str]) -> ScoreReport:
+        """Rewards of responses[i] for problems[i]: refused answers score 0 here, pure string-compare verifiers score
+        in this process, the rest in the scoring pool at once (parallel, each within score_timeout_s)."""
+        report = ScoreReport(rewards=[0.0] * len(problems))
+        queued: list[int] = []
+        jobs: list[tuple[str, dict[str, Any]]] = []
+        for i, (problem, response) in enumerate(zip(problems, responses, strict=True)):
+            try:
+                answer = extract_answer(response, self.answer_fmt, self.max_answer_chars)
+                md = problem.metadata
+                entry = {"question": md["question"], "answer": md["rg_answer"], "metadata": md["rg_metadata"]}
+                if answer is None or not admits(self.data, answer, entry):
+                    continue
+                if pure_scorer(self.data, entry):
+                    report.rewards[i] = self._reward(float(self.data.score_answer(answer, entry)))
+                else:
+                    queued.append(i)
+                    jobs.append((answer, entry))
+            except Exception:  # odd input (a response that is no string, a problem of another env): reward 0
+                report.errors += 1
+        if jobs:
+            scored = self._pool.score(jobs)
+            for i, value in zip(queued, scored.rewards, strict=True):
+                report.rewards[i] = self._reward(value)
+            report.timeouts, report.errors = scored.timeouts, report.errors + scored.errors
+        return report
+
+    def _reward(self, value: float) -> float:
+        """A verifier's score as the reward: clipped to [0, 1], rounded down to 0 or 1 without partial credit."""
+        if value != value:  # NaN
             return 0.0
         if not self.partial_credit:
-            reward = 1.0 if reward >= 1.0 else 0.0
-        return min(max(reward, 0.0), 1.0)
+            return 1.0 if value >= 1.0 else 0.0
+        return min(max(value, 0.0), 1.0)
 
     def demonstration(self, problem: Problem) -> str:
         tag = self.answer_fmt.tag

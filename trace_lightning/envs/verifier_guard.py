@@ -13,6 +13,14 @@ policy is optimised against its verifier, so its answers are hostile input.
   without reaching the verifier, as an answer the verifier could not parse would.
 - List verifiers read the model's list with `ast.literal_eval` instead of `eval`: their module's `eval` is
   shadowed (a module global wins over the builtin), which is the only thing those modules use it for.
+- Wrappers are seen through: `composite` scores each entry with the part its metadata names (`source_dataset`),
+  ReseedingDataset with the dataset it wraps, so `admits` screens the answer for the verifier that actually reads it
+  (WRAPPERS). A verifier the guard does not know (neither registered nor a known wrapper) is refused.
+- `admits` never raises: an answer whose screening fails in any way (3**1e999, ten thousand unary minuses) is refused.
+
+Screening keeps code from running; it does not bound a verifier's time (sympy simplifies `sin(exp(exp(x)))` for
+minutes). envs/scoring.py runs verifiers in worker processes with a time limit for that, except the pure
+string-compare scorers pinned in PURE_SCORERS, which score in the trainer's process.
 
 tests/envs/test_verifier_guard.py scans every reasoning-gym dataset's `score_answer` for eval / parse_expr /
 sympify, so a reasoning-gym release with a new evaluating verifier fails the suite until it is listed here.
@@ -21,8 +29,13 @@ sympify, so a reasoning-gym release with a new evaluating verifier fails the sui
 from __future__ import annotations
 
 import ast
+import functools
+import hashlib
+import inspect
+import math
 import operator
 import sys
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -40,6 +53,27 @@ intermediate_integration's own answers keep an unevaluated Integral(x**2*cos(x),
 
 MAX_EXPONENT = 1000
 MAX_ANSWER_CHARS = 1000
+MAX_WRAPPING = 8
+"""How deep wrappers may nest (a composite of composites) before an entry is refused."""
+
+WRAPPERS: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
+    "reasoning_gym.composite.CompositeDataset": lambda ds, entry: ds.datasets[entry["metadata"]["source_dataset"]],
+    "reasoning_gym.dataset.ReseedingDataset": lambda ds, entry: ds.dataset,
+}
+"""reasoning-gym classes whose score_answer hands the entry to another dataset's: the dataset it hands it to.
+(coaching's Experiment scores through score_answer_with_id, which the env never calls.)"""
+
+PURE_SCORERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "reasoning_gym.dataset.ProceduralDataset.score_answer": ((), "d4c377f0ac8e002f"),
+    "reasoning_gym.arithmetic.chain_sum.ChainSumDataset.score_answer": (
+        ("reasoning_gym.utils.compute_decimal_reward",), "7a6c6a0a13870d30"),
+    "reasoning_gym.composite.CompositeDataset.score_answer": ((), "257fe91c6ba27fcb"),
+    "reasoning_gym.dataset.ReseedingDataset.score_answer": ((), "c2924c82f4f1c297"),
+}
+"""score_answer methods that only compare strings (==, `in`, len, Decimal equality) or hand the entry on: they end
+in time linear in the answer, so they score in the trainer's process. Each is pinned by a hash of its source and of
+the helpers it calls (source_hash): a reasoning-gym release that changes one scores it in a worker again, and
+tests/security/test_hostile_answers.py fails until it is read and pinned anew."""
 
 _OPERATORS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Mod, ast.FloorDiv, ast.UAdd, ast.USub)
 _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
@@ -51,13 +85,17 @@ class UnsafeAnswer(ValueError):
 
 def check_expression(answer: str) -> None:
     """UnsafeAnswer unless `answer` is arithmetic over numbers and names (the module docstring's rules)."""
+    if not isinstance(answer, str):
+        raise UnsafeAnswer(f"answer is a {type(answer).__name__}, not a string")
     if len(answer) > MAX_ANSWER_CHARS:
         raise UnsafeAnswer(f"answer of {len(answer)} characters (at most {MAX_ANSWER_CHARS})")
     try:
         tree = ast.parse(answer.strip(), mode="eval")
-    except (SyntaxError, ValueError) as e:
-        raise UnsafeAnswer(f"not an arithmetic expression: {e}") from e
-    _check_node(tree.body, in_power=False)
+        _check_node(tree.body, in_power=False)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
+        if isinstance(e, UnsafeAnswer):
+            raise
+        raise UnsafeAnswer(f"not an arithmetic expression: {type(e).__name__}: {e}") from e
 
 
 def _check_node(node: ast.AST, in_power: bool) -> None:
@@ -98,6 +136,8 @@ def _check_exponent(node: ast.AST) -> None:
 def _number(node: ast.AST) -> Fraction:
     """The exact value of + - * / over numeric constants; UnsafeAnswer for anything else."""
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        if not math.isfinite(node.value):
+            raise UnsafeAnswer(f"exponent {node.value} is not finite")
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         value = _number(node.operand)
@@ -110,16 +150,111 @@ def _number(node: ast.AST) -> Fraction:
     raise UnsafeAnswer("an exponent must be a number")
 
 
-def admits(dataset: str, answer: str) -> bool:
-    """Whether `answer` may reach `dataset`'s verifier: an expression verifier's only when check_expression passes
-    it (anything else scores 0 unread); every other verifier's always (the list verifiers are guarded inside)."""
-    if dataset not in EXPRESSION_VERIFIERS:
-        return True
+def scoring_chain(verifier: Any, entry: dict[str, Any]) -> list[Any]:
+    """The datasets `entry` passes through when `verifier` scores it: `verifier`, then what each wrapper hands it to,
+    ending with the dataset whose score_answer reads the answer. KeyError / ValueError when a wrapper cannot resolve
+    it (an entry of no part of the composite) or wrappers nest deeper than MAX_WRAPPING."""
+    chain = [verifier]
+    while (unwrap := WRAPPERS.get(_class_name(type(chain[-1])))) is not None:
+        if len(chain) > MAX_WRAPPING:
+            raise ValueError(f"datasets wrapped more than {MAX_WRAPPING} deep")
+        chain.append(unwrap(chain[-1], entry))
+    return chain
+
+
+def dataset_name(dataset: Any) -> str | None:
+    """The name reasoning-gym registers `dataset`'s class under, or None for a class it does not register."""
+    return _registered_names().get(type(dataset))
+
+
+def admits(verifier: str | Any, answer: str, entry: dict[str, Any] | None = None) -> bool:
+    """Whether `answer` may reach the verifier that scores `entry`: a dataset name (never a wrapper's), or a
+    reasoning-gym dataset object seen through its wrappers (scoring_chain). An expression verifier's only when
+    check_expression passes it (anything else scores 0 unread); another registered verifier's always (the list
+    verifiers are guarded inside); an unknown verifier's never. Never raises: an answer whose screening fails is
+    refused."""
     try:
-        check_expression(answer)
-    except UnsafeAnswer:
+        if isinstance(verifier, str):  # a name says nothing of the part a wrapper hands the entry to: refused
+            name: str | None = None if verifier in _wrapper_names() else verifier
+        else:
+            name = dataset_name(scoring_chain(verifier, entry if entry is not None else {})[-1])
+        if name is None:
+            return False
+        if name in EXPRESSION_VERIFIERS:
+            check_expression(answer)
+        return isinstance(answer, str)
+    except Exception:  # UnsafeAnswer, and whatever else odd input makes of the screening: refused, never raised
         return False
-    return True
+
+
+def pure_scorer(verifier: Any, entry: dict[str, Any]) -> bool:
+    """Whether every score_answer on `entry`'s way through `verifier` is a pinned PURE_SCORERS one (unchanged since
+    it was read), so scoring it cannot stall; False when anything cannot be resolved."""
+    try:
+        return all(_is_pure(type(dataset)) for dataset in scoring_chain(verifier, entry))
+    except Exception:
+        return False
+
+
+def source_hash(method: str, helpers: tuple[str, ...] = ()) -> str:
+    """First 16 hex digits of the SHA-256 of the sources of `method` and `helpers` (dotted paths)."""
+    digest = hashlib.sha256()
+    for path in (method, *helpers):
+        digest.update(inspect.getsource(_resolve(path)).encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _is_pure(cls: type) -> bool:
+    method = getattr(cls, "score_answer", None)
+    if method is None:
+        return False
+    name = f"{method.__module__}.{method.__qualname__}"
+    pinned = PURE_SCORERS.get(name)
+    if pinned is None:
+        return False
+    try:
+        return source_hash(name, pinned[0]) == pinned[1]
+    except (OSError, TypeError, AttributeError, ImportError):  # no source to read: not pinned
+        return False
+
+
+def _resolve(path: str) -> Any:
+    """The object a dotted path names, module prefix first (`pkg.mod.Class.method`)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:cut])) or _import(".".join(parts[:cut]))
+        if module is not None:
+            obj = module
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            return obj
+    raise ImportError(f"cannot resolve {path!r}")
+
+
+def _import(module: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@functools.cache
+def _registered_names() -> dict[type, str]:
+    from reasoning_gym.factory import DATASETS
+
+    return {cls: name for name, (cls, _) in DATASETS.items()}
+
+
+@functools.cache
+def _wrapper_names() -> frozenset[str]:
+    return frozenset(name for cls, name in _registered_names().items() if _class_name(cls) in WRAPPERS)
 
 
 def _literal_eval(source: Any, *args: Any) -> Any:
@@ -127,8 +262,10 @@ def _literal_eval(source: Any, *args: Any) -> Any:
     return ast.literal_eval(source)
 
 
-def guard_verifier(dataset: str, verifier: Any) -> None:
-    """Make `verifier` (a reasoning-gym dataset object) safe to hand model answers: its module's eval reads
-    literals only, where it is a list verifier. (Expression answers are screened by `admits` instead.)"""
-    if dataset in LIST_EVAL_VERIFIERS:
-        vars(sys.modules[type(verifier).__module__])["eval"] = _literal_eval
+def guard_list_verifiers() -> None:
+    """Make every list verifier safe to hand model answers, wherever its dataset object is (alone, inside a composite,
+    in a worker process): its module's eval reads literals only. (Expression answers are screened by `admits`.)"""
+    from reasoning_gym.factory import DATASETS
+
+    for name in LIST_EVAL_VERIFIERS:
+        vars(sys.modules[DATASETS[name][0].__module__])["eval"] = _literal_eval

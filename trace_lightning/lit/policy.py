@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from trace_lightning.envs import Problem
+from trace_lightning.envs import Problem, score_responses
 from trace_lightning.guidance import FakeQuantHook, FiniteCheckHook, GuidedHook, ModelIdentity, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch, micro_batches
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
@@ -406,7 +406,8 @@ class PolicyModule(L.LightningModule):
         env = self.trainer.datamodule.eval_env  # the held-out problems' env scores them
         for key, worker in self._eval.items():
             rows = worker.predict_step(batch, batch_idx)
-            self._eval_hits[key].extend(env.score(p, row["response"]) for p, row in zip(batch, rows, strict=True))
+            # the batch's answers score at once, in parallel and each within the env's limit (envs/scoring.py)
+            self._eval_hits[key].extend(score_responses(env, batch, [row["response"] for row in rows]).rewards)
 
     def on_validation_epoch_end(self) -> None:
         accuracy = {key: self._gathered_accuracy(hits) for key, hits in self._eval_hits.items()}

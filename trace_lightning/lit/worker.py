@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from trace_lightning.envs import Env, Problem
+from trace_lightning.envs import Env, Problem, score_responses
 from trace_lightning.lit.batch import TrainBatch, pad_sequences, place, response_targets
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.methods import MethodSpec
@@ -164,13 +164,15 @@ class RolloutWorker(L.LightningModule):
         out = self.generate(prompts, seed, capture=capture, one_off=self.audit_next)
         elapsed = time.perf_counter() - start
         texts = [self.decode_response(r) for r in out.responses]
-        rewards = torch.tensor([env.score(problems[i // g], t) for i, t in enumerate(texts)], dtype=torch.float32)
+        # a verifier that stalls or crashes scores its answer 0 within its limit (envs/scoring.py), and the fit goes on
+        scored = score_responses(env, [problems[i // g] for i in range(len(texts))], texts)
+        rewards = torch.tensor(scored.rewards, dtype=torch.float32)
         batch = self._align(prompts, out, rewards, g)
         n_new = sum(len(r) for r in out.responses)
         batch.rollout_stats = {"rollout/tokens_per_s": n_new / max(elapsed, 1e-9), "time/rollout_s": elapsed,
                                "rollout/decode_steps": out.stats["decode_steps"],
                                "rollout/prefill_s": out.stats["prefill_s"],
-                               "rollout/graph_capture_s": out.stats["capture_s"]}
+                               "rollout/graph_capture_s": out.stats["capture_s"], **scored.stats()}
         if self.rollout_cfg.max_batch is not None:
             batch.rollout_stats["rollout/refills"] = out.stats["refills"]
         batch.samples = [
