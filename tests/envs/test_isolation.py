@@ -11,8 +11,10 @@ import pytest
 
 from trace_lightning.envs import isolation, sandbox
 from trace_lightning.envs.isolation import (
+    AF_UNIX,
     ARCHES,
     DENIED,
+    FORK_CALLS,
     SandboxUnavailable,
     _others_can_run,
     interpreter,
@@ -25,9 +27,9 @@ NEEDED = {"x86_64": {"read": 0, "write": 1, "mmap": 9, "execve": 59, "exit_group
           "aarch64": {"read": 63, "write": 64, "mmap": 222, "execve": 221, "exit_group": 94}}  # fmt: skip
 
 
-def run_bpf(program: bytes, nr: int, arch: int) -> int:
-    """Evaluate a seccomp classic-BPF program on seccomp_data {nr, arch} (only the opcodes it uses)."""
-    data = struct.pack("<iI", nr, arch)
+def run_bpf(program: bytes, nr: int, arch: int, arg0: int = 0) -> int:
+    """Evaluate a seccomp classic-BPF program on seccomp_data {nr, arch, ip, args[0]} (only the opcodes it uses)."""
+    data = struct.pack("<iIQQ", nr, arch, 0, arg0)
     insns = [struct.unpack_from("<HBBI", program, off) for off in range(0, len(program), 8)]
     acc, pc = 0, 0
     while True:
@@ -55,6 +57,34 @@ def test_denied_calls_get_eperm_others_pass_foreign_arch_is_killed(machine: str)
     assert run_bpf(program, numbers["clone"], 0x40000003) == KILL  # i386
     if foreign_abi is not None:  # x32 calls share the arch value: refused whatever the number
         assert run_bpf(program, foreign_abi | NEEDED[machine]["read"], arch) == EPERM
+
+
+SOCKETS = {"x86_64": (41, 53), "aarch64": (198, 199)}  # socket, socketpair (kernel unistd headers)
+FAMILIES = {"AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16, "AF_PACKET": 17, "AF_VSOCK": 40, "AF_BLUETOOTH": 31}
+
+
+@pytest.mark.parametrize("machine", sorted(ARCHES))
+@pytest.mark.parametrize("allow_fork", [False, True])
+def test_only_unix_sockets_pass(machine: str, allow_fork: bool) -> None:
+    arch = ARCHES[machine][0]
+    program = seccomp_filter(machine, allow_fork=allow_fork)
+    for nr in SOCKETS[machine]:
+        assert run_bpf(program, nr, arch, AF_UNIX) == ALLOW
+        for name, family in FAMILIES.items():
+            assert run_bpf(program, nr, arch, family) == EPERM, (nr, name)
+        assert run_bpf(program, nr, arch, (1 << 32) | 2) == EPERM  # the kernel reads an int: high bits change nothing
+
+
+@pytest.mark.parametrize("machine", sorted(ARCHES))
+def test_the_runner_filter_lets_only_fork_through(machine: str) -> None:
+    arch, numbers, _ = ARCHES[machine]
+    runner, child = seccomp_filter(machine, allow_fork=True), seccomp_filter(machine)
+    for name in DENIED:
+        if name in numbers:
+            want = ALLOW if name in FORK_CALLS else EPERM
+            assert run_bpf(runner, numbers[name], arch) == want, name
+            assert run_bpf(child, numbers[name], arch) == EPERM, name
+    assert "clone3" not in FORK_CALLS
 
 
 def test_syscall_tables_name_only_denied_calls_and_miss_only_legacy_ones() -> None:

@@ -287,6 +287,20 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
     "abstract-unix-listener": (
         "import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect('\\0{unix}')\n    return 1",
         _expect_refused),
+    "socket-vsock": ("import socket\ndef f(x):\n    return socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).fileno()",
+                     _expect_refused),
+    "socket-netlink-route": ("import socket\ndef f(x):\n    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)\n"
+                             "    s.bind((0, 0))\n    return s.getsockname()", _expect_refused),
+    "socket-netlink-audit": ("import socket\ndef f(x):\n    return socket.socket(16, socket.SOCK_RAW, 9).fileno()",
+                             _expect_refused),
+    "socket-packet": ("import socket\ndef f(x):\n    return socket.socket(17, socket.SOCK_RAW, 0).fileno()",
+                      _expect_refused),
+    "socket-inet6": ("import socket\ndef f(x):\n    return socket.socket(socket.AF_INET6).fileno()", _expect_refused),
+    "socket-inet-raw": ("import socket\ndef f(x):\n    return socket.socket(2, socket.SOCK_RAW, 1).fileno()",
+                        _expect_refused),
+    "socketpair-inet": ("import socket\ndef f(x):\n    return len(socket.socketpair(2))", _expect_refused),
+    "socket-unix-allowed": ("import socket\ndef f(x):\n    a, b = socket.socketpair()\n    a.send(b'hi')\n"
+                            "    return b.recv(2).decode()", lambda r: _returned(r) == "hi"),
     "network-interfaces": ("import socket\ndef f(x):\n    return [n for _, n in socket.if_nameindex()]",
                            lambda r: _returned(r) in (None, ["lo"])),
     # --- secrets in the environment
@@ -381,6 +395,28 @@ def score_contained(out: Outside, response: str) -> float:
 
 def test_honest_answer_scores_one(outside: Outside) -> None:
     assert score_contained(outside, "def f(x):\n    return 2 * x + 3") == 1.0
+
+
+@pytest.fixture
+def many_fds() -> Iterator[list[int]]:
+    """This process holding more than 1024 open files, as a trainer with many shards and sockets does."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the fd limit ({hard}) is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    yield fds
+    for fd in fds:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_honest_answer_scores_one_while_the_trainer_holds_over_1024_fds(outside: Outside, many_fds: list[int]) -> None:
+    assert max(many_fds) >= 1024
+    assert score_contained(outside, "def f(x):\n    return 2 * x + 3") == 1.0
+    assert score_contained(outside, "def f(x):\n    return x") == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))

@@ -10,8 +10,9 @@ trainer's uid outside their namespaces, without any capability.
 
 A seccomp filter (built here as classic BPF, no libseccomp needed) refuses process creation
 (fork, vfork, clone, clone3: this is what stops fork bombs even when the trainer runs as root, where
-the kernel ignores RLIMIT_NPROC) and the kernel surfaces a verifier never needs: ptrace, pidfds,
-mount and namespace calls, keyrings, bpf, io_uring, mknod, renice, re-pinning and friends.
+the kernel ignores RLIMIT_NPROC), sockets of any family but AF_UNIX (no AF_INET, AF_NETLINK, AF_VSOCK,
+AF_PACKET ...), and the kernel surfaces a verifier never needs: ptrace, pidfds, mount and namespace
+calls, keyrings, bpf, io_uring, mknod, renice, re-pinning and friends.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ DENIED = (
     "io_uring_register kexec_load kexec_file_load init_module finit_module delete_module open_by_handle_at "
     "mknod mknodat acct swapon swapoff reboot syslog quotactl setpriority sched_setaffinity ioprio_set personality"
 ).split()
+FORK_CALLS = frozenset(("fork", "vfork", "clone"))
+"""What the runner (sandbox.py) needs to start each call's child; the child's own filter refuses them."""
+SOCKET_CALLS = ("socket", "socketpair")
+"""Calls whose first argument is an address family: only AF_UNIX passes."""
+AF_UNIX = 1
+_SOCKETS = {"x86_64": {"socket": 41, "socketpair": 53}, "aarch64": {"socket": 198, "socketpair": 199}}
 _GENERIC = {"clone3": 435, "pidfd_open": 434, "pidfd_send_signal": 424, "pidfd_getfd": 438, "fsopen": 430,
             "fsconfig": 431, "fsmount": 432, "fspick": 433, "move_mount": 429, "open_tree": 428,
             "mount_setattr": 442, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}
@@ -68,6 +75,7 @@ _AARCH64 = _GENERIC | {
 ARCHES = {"x86_64": (0xC000003E, _X86_64, 0x40000000), "aarch64": (0xC00000B7, _AARCH64, None)}
 
 _LD_ABS_W, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06
+_NR, _ARCH, _ARG0 = 0, 4, 16  # offsets in struct seccomp_data (args[0]'s low 32 bits on little-endian)
 _ALLOW, _KILL_PROCESS, _ERRNO_EPERM = 0x7FFF0000, 0x80000000, 0x00050000 | 1
 
 
@@ -75,22 +83,42 @@ class SandboxUnavailable(RuntimeError):
     """The isolation the caller asked for cannot be set up on this machine."""
 
 
-def seccomp_filter(machine: str | None = None) -> bytes:
-    """A classic-BPF seccomp program (struct sock_filter[]) that refuses DENIED with EPERM.
+def seccomp_filter(machine: str | None = None, allow_fork: bool = False) -> bytes:
+    """A classic-BPF seccomp program (struct sock_filter[]) that refuses DENIED, and sockets of any family
+    but AF_UNIX, with EPERM.
 
-    A foreign architecture (e.g. 32-bit syscalls) kills the process, since the numbers would not match.
+    allow_fork lets fork / vfork / clone through (the runner's filter; clone3 stays refused). A foreign
+    architecture (e.g. 32-bit syscalls) kills the process, since the numbers would not match.
     """
     machine = machine or platform.machine()
     if machine not in ARCHES:
         raise SandboxUnavailable(f"no seccomp syscall table for architecture {machine!r}; known: {sorted(ARCHES)}")
     arch, numbers, foreign_abi = ARCHES[machine]
-    nrs = sorted({numbers[name] for name in DENIED if name in numbers})
-    checks = ([(_JGE, foreign_abi)] if foreign_abi is not None else []) + [(_JEQ, nr) for nr in nrs]
-    n = len(checks)
-    prog = [(_LD_ABS_W, 0, 0, 4), (_JEQ, 0, n + 3, arch), (_LD_ABS_W, 0, 0, 0)]  # arch at 4, nr at 0
-    prog += [(op, n - i, 0, k) for i, (op, k) in enumerate(checks)]  # true -> EPERM
-    prog += [(_RET, 0, 0, _ALLOW), (_RET, 0, 0, _ERRNO_EPERM), (_RET, 0, 0, _KILL_PROCESS)]
-    return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
+    denied = {name for name in DENIED if name in numbers and not (allow_fork and name in FORK_CALLS)}
+    # (op, k, jump-if-true label, jump-if-false label); None falls through. Jumps go forward only.
+    code: list[tuple[int, int, str | None, str | None]] = [(_LD_ABS_W, _ARCH, None, None),
+                                                           (_JEQ, arch, None, "kill"), (_LD_ABS_W, _NR, None, None)]
+    if foreign_abi is not None:
+        code.append((_JGE, foreign_abi, "eperm", None))
+    code += [(_JEQ, nr, "eperm", None) for nr in sorted(numbers[name] for name in denied)]
+    code += [(_JEQ, _SOCKETS[machine][name], "family", None) for name in SOCKET_CALLS]
+    labels = {"allow": len(code)}
+    code.append((_RET, _ALLOW, None, None))
+    labels["family"] = len(code)
+    code += [(_LD_ABS_W, _ARG0, None, None), (_JEQ, AF_UNIX, "allow_unix", "eperm")]
+    labels["allow_unix"] = len(code)
+    code.append((_RET, _ALLOW, None, None))
+    labels["eperm"] = len(code)
+    code.append((_RET, _ERRNO_EPERM, None, None))
+    labels["kill"] = len(code)
+    code.append((_RET, _KILL_PROCESS, None, None))
+
+    def offset(pc: int, label: str | None) -> int:
+        return 0 if label is None else labels[label] - pc - 1
+
+    return b"".join(
+        struct.pack("<HBBI", op, offset(pc, jt), offset(pc, jf), k) for pc, (op, k, jt, jf) in enumerate(code)
+    )
 
 
 def interpreter() -> tuple[str, str]:

@@ -259,10 +259,18 @@ def _wait(proc: subprocess.Popen[bytes], job: bytes, timeout_s: float, info_fd: 
         _kill_tree(proc, init)
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether fd becomes readable (or hung up) within timeout_s. poll, not select: select cannot watch
+    an fd numbered 1024 or more, which a trainer holding many files hands out."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, math.ceil(timeout_s * 1000))))
+
+
 def _pin_namespace_init(info_fd: int, timeout_s: float) -> int:
     """A pidfd of the sandbox's PID-namespace init, or -1: bwrap's --info-fd JSON, which can arrive in pieces."""
     deadline, info = time.monotonic() + timeout_s, b""
-    while select.select([info_fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+    while _readable(info_fd, deadline - time.monotonic()):
         chunk = os.read(info_fd, 4096)
         if not chunk:
             return -1
@@ -288,7 +296,7 @@ def _kill_tree(proc: subprocess.Popen[bytes], init: int) -> None:
         except ProcessLookupError:
             pass
         finally:
-            select.select([init], [], [], 5.0)
+            _readable(init, 5.0)
             os.close(init)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
