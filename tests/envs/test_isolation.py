@@ -1,26 +1,30 @@
 """The seccomp program, run on a small classic-BPF interpreter: what it allows, refuses and kills."""
 
 import os
+import shutil
 import struct
-import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from trace_lightning.envs import isolation, sandbox
+from trace_lightning.envs import CodingEnv, Problem, isolation, sandbox
 from trace_lightning.envs.isolation import (
     AF_UNIX,
     ARCHES,
     DENIED,
     FORK_CALLS,
     SandboxUnavailable,
-    _others_can_run,
-    interpreter,
     seccomp_filter,
 )
 
+AFFINE = Problem(
+    prompt="f(0)=3;f(1)=5;f(2)=7\nf=lambda x:",
+    answer="2*x+3",
+    metadata={"kind": "int", "tests": [[0], [1], [2], [10], [-4]], "expected": [3, 5, 7, 23, -5]},
+)
 ALLOW, EPERM, KILL = 0x7FFF0000, 0x00050001, 0x80000000
 # Calls that exist on every architecture here and that the interpreter needs.
 NEEDED = {"x86_64": {"read": 0, "write": 1, "mmap": 9, "execve": 59, "exit_group": 231},
@@ -99,14 +103,6 @@ def test_unknown_architecture_is_refused_by_name() -> None:
         seccomp_filter("riscv64")
 
 
-def _world_runnable_python() -> tuple[str, str] | None:
-    """An interpreter of this Python version that uid 65534 can execute, with its prefix, or None."""
-    if all(_others_can_run(p) for p in interpreter()):
-        return interpreter()
-    exe = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
-    return (exe, "/usr") if os.path.exists(exe) and _others_can_run(exe) else None
-
-
 def _uids_below(root: int, comm_prefix: str) -> set[str]:
     """The real/effective/saved/fs uids of processes below root whose name starts with comm_prefix."""
     uids: set[str] = set()
@@ -133,20 +129,71 @@ def _ancestors(pid: int) -> set[int]:
     return seen | {pid}
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the drop to uid 65534 applies to root trainers")
-def test_root_trainer_runs_the_sandbox_as_nobody_outside_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    python = _world_runnable_python()
-    if python is None:
-        pytest.skip("no interpreter of this version that uid 65534 can execute")
-    monkeypatch.setattr(isolation, "interpreter", lambda: python)
-    monkeypatch.setattr(sandbox, "interpreter", lambda: python)
-    assert isolation.spawn_user() == {"user": 65534, "group": 65534, "extra_groups": []}
+def _outside_uids_while_running(**kwargs: object) -> tuple[set[str], sandbox.SandboxResult]:
+    """The host uids of the sandbox's Python processes, seen from here while one runs, and its result."""
     found: set[str] = set()
     with ThreadPoolExecutor(1) as pool:
-        run = pool.submit(sandbox.run_sandboxed, "import time\nf = lambda x: time.sleep(x) or x", "f", [(1.5,)], 5.0)
+        code = "import time\nf = lambda x: time.sleep(x) or x"
+        run = pool.submit(sandbox.run_sandboxed, code, "f", [(1.5,)], 5.0, **kwargs)
         deadline = time.monotonic() + 4.0
         while not found and time.monotonic() < deadline:
             found = _uids_below(os.getpid(), "python")
             time.sleep(0.05)
-        assert run.result().outputs == [("ok", 1.5)]
+        return found, run.result()
+
+
+@pytest.fixture
+def fresh_probes() -> Iterator[None]:
+    """The availability probes are cached per process: start and end each test with them cleared."""
+    for probe in (isolation.bwrap_problem, isolation._drop):
+        probe.cache_clear()
+    yield
+    for probe in (isolation.bwrap_problem, isolation._drop):
+        probe.cache_clear()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the drop to uid 65534 applies to root trainers")
+@pytest.mark.usefixtures("fresh_probes")
+def test_root_trainer_runs_the_sandbox_as_nobody_outside_too() -> None:
+    """Also with this interpreter under a 0700 /root: a private mount namespace lets nobody reach it."""
+    assert isolation.launch_for(allow_root=False).outside_uid == 65534
+    found, result = _outside_uids_while_running()
+    assert result.outputs == [("ok", 1.5)]
     assert found == {"65534"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the drop to uid 65534 applies to root trainers")
+@pytest.mark.usefixtures("fresh_probes")
+def test_without_a_uid_drop_the_sandbox_refuses_unless_allow_root(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A PATH with bwrap but without util-linux (unshare, setpriv, mount): nobody cannot reach this
+    interpreter under a 0700 /root then, so no drop works (with a world-runnable one it would)."""
+    if all(isolation._others_can_run(p) for p in isolation.interpreter()):
+        pytest.skip("nobody can run this interpreter directly: the drop needs no util-linux here")
+    (tmp_path / "bwrap").symlink_to(shutil.which("bwrap") or "/usr/bin/bwrap")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SandboxUnavailable, match=r"cannot drop to uid 65534 .*allow_root=True.*allow_root: true"):
+        CodingEnv()
+    with pytest.raises(SandboxUnavailable, match="allow_root"):
+        sandbox.run_sandboxed("f = abs", "f", [(1,)])
+    assert CodingEnv(allow_root=True).score(AFFINE, " 2*x+3") == 1.0
+    found, result = _outside_uids_while_running(allow_root=True)
+    assert result.outputs == [("ok", 1.5)] and found == {"0"}  # root outside, knowingly
+    masked = "def f(x):\n    try:\n        return len(open('/proc/' + x).read())\n    except OSError as e:\n" \
+        "        return type(e).__name__"
+    names = ["slabinfo", "timer_list", "vmallocinfo", "kmsg", "pagetypeinfo", "version"]
+    result = sandbox.run_sandboxed(masked, "f", [(n,) for n in names], audit_hook=False, allow_root=True)
+    assert [v for _, v in result.outputs][:-1] == ["PermissionError"] * 5, result
+    assert isinstance(result.outputs[-1][1], int) and result.outputs[-1][1] > 0  # world-readable files stay
+
+
+def test_root_only_proc_files_are_masked() -> None:
+    masks = isolation._masked_proc()
+    assert {"slabinfo", "timer_list", "vmallocinfo"} <= set(masks) | {n for n in isolation.MASKED_PROC
+                                                                        if not os.path.exists(f"/proc/{n}")}
+    argv = isolation.bwrap_argv(3, 4)
+    for name in masks:
+        i = argv.index(f"/proc/{name}")
+        assert argv[i - 2 : i] == ["--ro-bind", "/dev/null"], name
+    assert argv.index("--proc") < argv.index(f"/proc/{masks[0]}")  # masks go on top of the new /proc

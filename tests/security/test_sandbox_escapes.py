@@ -270,6 +270,11 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
     # --- reading what is not ours
     "pwd-module": ("import pwd\ndef f(x):\n    return [p.pw_name for p in pwd.getpwall()]",
                    lambda r: not set(_returned(r) or []) & (_host_users() - {"nobody"})),
+    "proc-root-only-files": (
+        "def f(x):\n    out = []\n    for n in ('slabinfo', 'timer_list', 'vmallocinfo', 'kmsg', 'pagetypeinfo'):\n"
+        "        try:\n            out.append(len(open('/proc/' + n, 'rb').read(4096)))\n"
+        "        except OSError as e:\n            out.append(type(e).__name__)\n    return out",
+        lambda r: _returned(r) == ["PermissionError"] * 5),
     "read-etc-passwd": ("def f(x):\n    return open('/etc/passwd').read()", _expect_refused),
     "stat-parent-file": ("import os\ndef f(x):\n    return os.stat('{dir}/secret.txt').st_size", _expect_refused),
     "read-parent-file": ("def f(x):\n    return open('{dir}/secret.txt').read()", _expect_refused),

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from trace_lightning.envs.isolation import bwrap_argv, interpreter, require_isolation, seccomp_filter, spawn_user
+from trace_lightning.envs.isolation import bwrap_argv, interpreter, launch_for, require_isolation, seccomp_filter
 
 STARTUP_S = 10.0
 """Longest wait for bwrap to report its namespaces (not counted in timeout_s)."""
@@ -175,21 +175,23 @@ def run_sandboxed(
     output_kb: int = 256,
     isolation: str = "bwrap",
     audit_hook: bool = True,
+    allow_root: bool = False,
 ) -> SandboxResult:
     """Exec source in a sandbox, call its function `entry` on each argument tuple, return the results.
 
     calls must hold only Python literals (ints, strings, lists, ...). isolation is "bwrap" or,
     knowingly weaker, "none" (see the module docstring); audit_hook=False removes the inner layer
-    (tests use it to show the outer one holds alone). Raises SandboxUnavailable when the isolation
+    (tests use it to show the outer one holds alone). A root trainer's sandbox runs as uid 65534; where
+    that cannot work it refuses unless allow_root=True. Raises SandboxUnavailable when the isolation
     cannot be set up; never raises for anything the code does.
     """
-    require_isolation(isolation)
+    require_isolation(isolation, allow_root)
     token = secrets.token_hex(16).encode()
     limits = (max(1, math.ceil(cpu_s)), memory_mb << 20, output_kb << 10, 0, 16, 0)
     job = marshal.dumps((source, entry, [tuple(c) for c in calls], token, limits, audit_hook))
     with tempfile.TemporaryDirectory(prefix="tl-sandbox-") as root:
         try:
-            data, status = _launch(job, root, isolation, timeout_s, output_kb << 10)
+            data, status = _launch(job, root, isolation, allow_root, timeout_s, output_kb << 10)
         except OSError as e:
             return _crashed(f"could not start the sandbox: {e!r}")
     if status == "timeout":
@@ -200,7 +202,9 @@ def run_sandboxed(
     return result
 
 
-def _launch(job: bytes, root: str, isolation: str, timeout_s: float, max_bytes: int) -> tuple[bytes, str]:
+def _launch(
+    job: bytes, root: str, isolation: str, allow_root: bool, timeout_s: float, max_bytes: int
+) -> tuple[bytes, str]:
     """Run the harness on job; return (the first max_bytes of its stdout, "exit code N" or "timeout")."""
     cwd = os.path.join(root, "cwd")
     os.mkdir(cwd)
@@ -208,19 +212,21 @@ def _launch(job: bytes, root: str, isolation: str, timeout_s: float, max_bytes: 
         if isolation == "none":
             status = _wait(_spawn([sys.executable], out, cwd, ()), job, timeout_s, -1)
         else:
-            status = _launch_bwrap(job, out, cwd, timeout_s)
+            status = _launch_bwrap(job, out, timeout_s, allow_root)
         out.seek(0)
         return out.read(max_bytes), status
 
 
-def _launch_bwrap(job: bytes, out: BinaryIO, cwd: str, timeout_s: float) -> str:
+def _launch_bwrap(job: bytes, out: BinaryIO, timeout_s: float, allow_root: bool) -> str:
     """The harness under bwrap: the seccomp program goes in on a memfd, the namespace's pid comes back on a pipe."""
     seccomp = os.memfd_create("tl-seccomp")
     r_info, w_info = os.pipe()
     try:
         os.write(seccomp, seccomp_filter())
         os.lseek(seccomp, 0, os.SEEK_SET)
-        proc = _spawn(bwrap_argv(seccomp, w_info) + [interpreter()[0]], out, "/", (seccomp, w_info), spawn_user())
+        launch = launch_for(allow_root)
+        argv = bwrap_argv(seccomp, w_info, launch) + [interpreter()[0]]
+        proc = _spawn(argv, out, "/", (seccomp, w_info), launch.popen_kwargs())
         os.close(w_info)
         w_info = -1  # bwrap holds the only write end now, so its exit shows as EOF
         return _wait(proc, job, timeout_s, r_info)
