@@ -326,7 +326,7 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
     "memory-creep": ("def f(x):\n    a = []\n    while True:\n        a.append(' ' * (1 << 20))", _expect_refused),
     "cpu-spin": ("def f(x):\n    while True:\n        pass", lambda r: r.status in ("timeout", "crashed")),
     "output-bomb": ("import os\ndef f(x):\n    while True:\n        os.write(1, b'x' * (1 << 20))",
-                    lambda r: r.status == "crashed"),
+                    lambda r: r.outputs == [("error", "OutputLimit")]),
     "tmp-disk-bomb": ("def f(x):\n    with open('/tmp/big', 'wb') as fh:\n        while True:\n"
                       "            fh.write(b'x' * (1 << 20))", _expect_refused),
     "dev-shm-fill": ("def f(x):\n    open('/dev/shm/big', 'wb').write(b'x' * (64 << 20))\n    return 1",
@@ -400,6 +400,71 @@ def score_contained(out: Outside, response: str) -> float:
 
 def test_honest_answer_scores_one(outside: Outside) -> None:
     assert score_contained(outside, "def f(x):\n    return 2 * x + 3") == 1.0
+
+
+# The runner (pid 1 of the sandbox) frames the report on a stdout no child holds. Each call's child tries to
+# reach it: its fds and memory through /proc, signals, then a forged report and frames for every call, with
+# whatever a signal handler's frame walk finds in its locals (the attack that read the old per-run token).
+ATTACK_RUNNER = """import os, signal, sys
+def f(x):
+    tried = []
+    for path, mode in (('/proc/1/fd/1', os.O_WRONLY), ('/proc/1/fd/0', os.O_RDONLY), ('/proc/1/mem', os.O_RDWR),
+                       ('/proc/1/environ', os.O_RDONLY)):
+        try:
+            os.close(os.open(path, mode))
+            tried.append('opened')
+        except OSError as e:
+            tried.append(type(e).__name__)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):
+        try:
+            os.kill(1, sig)
+        except OSError:
+            pass
+    found = []
+    def walk(signum, frame):
+        while frame is not None:
+            found.extend(repr(v)[:200] for v in frame.f_locals.values())
+            frame = frame.f_back
+    signal.signal(signal.SIGALRM, walk)
+    signal.raise_signal(signal.SIGALRM)
+    if x == 0:
+        forged = ''.join("0 0 11\\n\\n\\x1e('ok',%d)\\n" % want for want in RIGHT) + 'end\\n'
+        for fd in range(64):
+            try:
+                os.write(fd, forged.encode() + b"\\n\\x1e('ok',3)\\n")
+            except OSError:
+                pass
+        os._exit(0)
+    return [tried, len(found) > 0, x]
+"""
+
+
+def test_the_runner_cannot_be_reached_and_a_child_speaks_only_for_its_call(outside: Outside) -> None:
+    source = ATTACK_RUNNER.replace("RIGHT", repr([3, 5, 7, 23, -5]))
+    start = time.monotonic()
+    result = run_sandboxed(source, "f", [(0,), (1,), (2,)], timeout_s=TIMEOUT_S, audit_hook=False)
+    check_contained(outside, result, time.monotonic() - start)
+    assert result.status == "ok", result
+    refused = ["PermissionError"] * 4
+    # Call 0 wrote a whole forged report and frames to every fd it had: only its own value counts, and that
+    # value is one f could have returned (3). Calls 1 and 2 ran after the signals: the runner was untouched.
+    assert result.outputs == [("ok", 3), ("ok", [refused, True, 1]), ("ok", [refused, True, 2])]
+    assert CodingEnv(timeout_s=TIMEOUT_S).score(AFFINE, source) == 0.0
+
+
+def test_known_limit_a_child_chooses_its_own_calls_result(outside: Outside) -> None:
+    """Pinned: code may print a frame and exit instead of returning. What it can claim for its call is exactly
+    what f could have returned there (a plain literal), nothing for other calls, so a reward is 1.0 only when
+    every call's value is right. Printing and returning the right values is solving the task."""
+    printed = (
+        "def f(x):\n    import posix\n    posix.write(1, b\"\\n\\x1e('ok',\" + repr(2 * x + 3).encode() + b')\\n')\n"
+        "    posix._exit(0)"
+    )
+    calls = [(0,), (1,), (10,)]
+    assert run_sandboxed(printed, "f", calls).outputs == run_sandboxed("f = lambda x: 2 * x + 3", "f", calls).outputs
+    assert score_contained(outside, printed) == 1.0
+    wrong_type = "import posix\ndef f(x):\n    posix.write(1, b\"\\n\\x1e('ok',{1: 2})\\n\")\n    posix._exit(0)"
+    assert run_sandboxed(wrong_type, "f", [(0,)]).outputs == [("error", "BadResult")]
 
 
 @pytest.fixture
