@@ -51,7 +51,7 @@ STARTUP_S = 10.0
 # the child holds only a pipe as its stdout, locks itself down, runs the code and writes one frame on the pipe.
 # Only the runner writes the report, on a stdout no child ever holds.
 _HARNESS = r"""
-import marshal, posix, resource, signal, sys
+import _signal, marshal, posix, resource, sys
 
 def _guard(event, args, _allowed=frozenset(("compile", "exec"))):
     if event not in _allowed:
@@ -120,7 +120,7 @@ def _locker(child_filter):
     return lambda: libc.prctl(22, 2, ctypes.byref(prog), 0, 0) if buf else -1  # PR_SET_SECCOMP, FILTER
 
 def _main():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as pid 1, signals from inside the namespace then drop
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # as pid 1, signals from inside the namespace then drop
     job = b""
     while True:
         chunk = posix.read(0, 65536)
@@ -149,7 +149,7 @@ def _main():
                 break
             if len(got) + len(chunk) > cap:
                 over = 1
-                posix.kill(pid, signal.SIGKILL)
+                posix.kill(pid, _signal.SIGKILL)
                 break
             got += chunk
         posix.close(r)
