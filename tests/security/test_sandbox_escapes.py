@@ -6,6 +6,8 @@ from this process: a decoy process and this process are alive, not stopped, not 
 a directory outside holds exactly what it held; loopback listeners (TCP, UDP, abstract unix) got
 nothing; no process is left behind; the environment secret did not come back; the run ended in time.
 Snippets that try to forge a result go through CodingEnv.score with every layer on, and must score 0.
+One test attacks the runner that holds the result channel (its /proc files, signals, a frame walk, a
+forged report); another pins the known limit: a call's child chooses that call's value, nothing more.
 """
 
 from __future__ import annotations
