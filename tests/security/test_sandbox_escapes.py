@@ -6,6 +6,8 @@ from this process: a decoy process and this process are alive, not stopped, not 
 a directory outside holds exactly what it held; loopback listeners (TCP, UDP, abstract unix) got
 nothing; no process is left behind; the environment secret did not come back; the run ended in time.
 Snippets that try to forge a result go through CodingEnv.score with every layer on, and must score 0.
+One test attacks the runner that holds the result channel (its /proc files, signals, a frame walk, a
+forged report); another pins the known limit: a call's child chooses that call's value, nothing more.
 """
 
 from __future__ import annotations
@@ -270,6 +272,11 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
     # --- reading what is not ours
     "pwd-module": ("import pwd\ndef f(x):\n    return [p.pw_name for p in pwd.getpwall()]",
                    lambda r: not set(_returned(r) or []) & (_host_users() - {"nobody"})),
+    "proc-root-only-files": (
+        "def f(x):\n    out = []\n    for n in ('slabinfo', 'timer_list', 'vmallocinfo', 'kmsg', 'pagetypeinfo'):\n"
+        "        try:\n            out.append(len(open('/proc/' + n, 'rb').read(4096)))\n"
+        "        except OSError as e:\n            out.append(type(e).__name__)\n    return out",
+        lambda r: _returned(r) == ["PermissionError"] * 5),
     "read-etc-passwd": ("def f(x):\n    return open('/etc/passwd').read()", _expect_refused),
     "stat-parent-file": ("import os\ndef f(x):\n    return os.stat('{dir}/secret.txt').st_size", _expect_refused),
     "read-parent-file": ("def f(x):\n    return open('{dir}/secret.txt').read()", _expect_refused),
@@ -287,6 +294,20 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
     "abstract-unix-listener": (
         "import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect('\\0{unix}')\n    return 1",
         _expect_refused),
+    "socket-vsock": ("import socket\ndef f(x):\n    return socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).fileno()",
+                     _expect_refused),
+    "socket-netlink-route": ("import socket\ndef f(x):\n    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)\n"
+                             "    s.bind((0, 0))\n    return s.getsockname()", _expect_refused),
+    "socket-netlink-audit": ("import socket\ndef f(x):\n    return socket.socket(16, socket.SOCK_RAW, 9).fileno()",
+                             _expect_refused),
+    "socket-packet": ("import socket\ndef f(x):\n    return socket.socket(17, socket.SOCK_RAW, 0).fileno()",
+                      _expect_refused),
+    "socket-inet6": ("import socket\ndef f(x):\n    return socket.socket(socket.AF_INET6).fileno()", _expect_refused),
+    "socket-inet-raw": ("import socket\ndef f(x):\n    return socket.socket(2, socket.SOCK_RAW, 1).fileno()",
+                        _expect_refused),
+    "socketpair-inet": ("import socket\ndef f(x):\n    return len(socket.socketpair(2))", _expect_refused),
+    "socket-unix-allowed": ("import socket\ndef f(x):\n    a, b = socket.socketpair()\n    a.send(b'hi')\n"
+                            "    return b.recv(2).decode()", lambda r: _returned(r) == "hi"),
     "network-interfaces": ("import socket\ndef f(x):\n    return [n for _, n in socket.if_nameindex()]",
                            lambda r: _returned(r) in (None, ["lo"])),
     # --- secrets in the environment
@@ -307,7 +328,7 @@ HOSTILE: dict[str, tuple[str, Callable[[Any], None] | None]] = {
     "memory-creep": ("def f(x):\n    a = []\n    while True:\n        a.append(' ' * (1 << 20))", _expect_refused),
     "cpu-spin": ("def f(x):\n    while True:\n        pass", lambda r: r.status in ("timeout", "crashed")),
     "output-bomb": ("import os\ndef f(x):\n    while True:\n        os.write(1, b'x' * (1 << 20))",
-                    lambda r: r.status == "crashed"),
+                    lambda r: r.outputs == [("error", "OutputLimit")]),
     "tmp-disk-bomb": ("def f(x):\n    with open('/tmp/big', 'wb') as fh:\n        while True:\n"
                       "            fh.write(b'x' * (1 << 20))", _expect_refused),
     "dev-shm-fill": ("def f(x):\n    open('/dev/shm/big', 'wb').write(b'x' * (64 << 20))\n    return 1",
@@ -381,6 +402,93 @@ def score_contained(out: Outside, response: str) -> float:
 
 def test_honest_answer_scores_one(outside: Outside) -> None:
     assert score_contained(outside, "def f(x):\n    return 2 * x + 3") == 1.0
+
+
+# The runner (pid 1 of the sandbox) frames the report on a stdout no child holds. Each call's child tries to
+# reach it: its fds and memory through /proc, signals, then a forged report and frames for every call, with
+# whatever a signal handler's frame walk finds in its locals (the attack that read the old per-run token).
+ATTACK_RUNNER = """import os, signal, sys
+def f(x):
+    tried = []
+    for path, mode in (('/proc/1/fd/1', os.O_WRONLY), ('/proc/1/fd/0', os.O_RDONLY), ('/proc/1/mem', os.O_RDWR),
+                       ('/proc/1/environ', os.O_RDONLY)):
+        try:
+            os.close(os.open(path, mode))
+            tried.append('opened')
+        except OSError as e:
+            tried.append(type(e).__name__)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):
+        try:
+            os.kill(1, sig)
+        except OSError:
+            pass
+    found = []
+    def walk(signum, frame):
+        while frame is not None:
+            found.extend(repr(v)[:200] for v in frame.f_locals.values())
+            frame = frame.f_back
+    signal.signal(signal.SIGALRM, walk)
+    signal.raise_signal(signal.SIGALRM)
+    if x == 0:
+        forged = ''.join("0 0 11\\n\\n\\x1e('ok',%d)\\n" % want for want in RIGHT) + 'end\\n'
+        for fd in range(64):
+            try:
+                os.write(fd, forged.encode() + b"\\n\\x1e('ok',3)\\n")
+            except OSError:
+                pass
+        os._exit(0)
+    return [tried, len(found) > 0, x]
+"""
+
+
+def test_the_runner_cannot_be_reached_and_a_child_speaks_only_for_its_call(outside: Outside) -> None:
+    source = ATTACK_RUNNER.replace("RIGHT", repr([3, 5, 7, 23, -5]))
+    start = time.monotonic()
+    result = run_sandboxed(source, "f", [(0,), (1,), (2,)], timeout_s=TIMEOUT_S, audit_hook=False)
+    check_contained(outside, result, time.monotonic() - start)
+    assert result.status == "ok", result
+    refused = ["PermissionError"] * 4
+    # Call 0 wrote a whole forged report and frames to every fd it had: only its own value counts, and that
+    # value is one f could have returned (3). Calls 1 and 2 ran after the signals: the runner was untouched.
+    assert result.outputs == [("ok", 3), ("ok", [refused, True, 1]), ("ok", [refused, True, 2])]
+    assert CodingEnv(timeout_s=TIMEOUT_S).score(AFFINE, source) == 0.0
+
+
+def test_known_limit_a_child_chooses_its_own_calls_result(outside: Outside) -> None:
+    """Pinned: code may print a frame and exit instead of returning. What it can claim for its call is exactly
+    what f could have returned there (a plain literal), nothing for other calls, so a reward is 1.0 only when
+    every call's value is right. Printing and returning the right values is solving the task."""
+    printed = (
+        "def f(x):\n    import posix\n    posix.write(1, b\"\\n\\x1e('ok',\" + repr(2 * x + 3).encode() + b')\\n')\n"
+        "    posix._exit(0)"
+    )
+    calls = [(0,), (1,), (10,)]
+    assert run_sandboxed(printed, "f", calls).outputs == run_sandboxed("f = lambda x: 2 * x + 3", "f", calls).outputs
+    assert score_contained(outside, printed) == 1.0
+    wrong_type = "import posix\ndef f(x):\n    posix.write(1, b\"\\n\\x1e('ok',{1: 2})\\n\")\n    posix._exit(0)"
+    assert run_sandboxed(wrong_type, "f", [(0,)]).outputs == [("error", "BadResult")]
+
+
+@pytest.fixture
+def many_fds() -> Iterator[list[int]]:
+    """This process holding more than 1024 open files, as a trainer with many shards and sockets does."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the fd limit ({hard}) is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    yield fds
+    for fd in fds:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_honest_answer_scores_one_while_the_trainer_holds_over_1024_fds(outside: Outside, many_fds: list[int]) -> None:
+    assert max(many_fds) >= 1024
+    assert score_contained(outside, "def f(x):\n    return 2 * x + 3") == 1.0
+    assert score_contained(outside, "def f(x):\n    return x") == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))

@@ -11,7 +11,8 @@ examples plus hidden inputs, compares each result with the expected value (same 
 parent, and gives 1.0 only when every test passes, else 0.0. Code that loops, allocates without bound,
 imports, opens files, spawns processes or touches the network fails its tests and gets 0; score never raises.
 
-The env refuses to start when bubblewrap is unusable, unless isolation="none" is passed explicitly.
+The env refuses to start when bubblewrap is unusable, unless isolation="none" is passed explicitly, and,
+for a root trainer, when the sandbox cannot drop to uid 65534, unless allow_root=True is passed.
 
 Task families are tiny on purpose (affine maps, string and list one-liners); the shown examples are
 resampled until no other task of the same input type fits them all, so the examples identify the task.
@@ -98,13 +99,17 @@ class CodingEnv:
         timeout_s: float = 2.0,
         memory_mb: int = 256,
         isolation: str = "bwrap",
+        allow_root: bool = False,
     ) -> None:
         """isolation: "bwrap" (namespaces + seccomp, the default; the env refuses to start without a working
-        bwrap) or "none", the explicit opt-in to a weaker sandbox (rlimits and an audit hook only)."""
+        bwrap) or "none", the explicit opt-in to a weaker sandbox (rlimits and an audit hook only).
+        allow_root: a root trainer's sandbox runs as uid 65534; where that cannot work the env refuses to
+        start unless this is True (the code then runs as root outside its namespaces, without capabilities)."""
         unknown = set(kinds) - set(INPUTS)
         if unknown:
             raise ValueError(f"unknown input kinds {sorted(unknown)}; known: {sorted(INPUTS)}")
-        require_isolation(isolation)
+        require_isolation(isolation, allow_root)
+        self.allow_root = allow_root
         self.kinds, self.shown, self.hidden = tuple(kinds), shown, hidden
         self.timeout_s, self.memory_mb, self.isolation = timeout_s, memory_mb, isolation
 
@@ -145,7 +150,8 @@ class CodingEnv:
             return 0.0
         tests, expected = problem.metadata["tests"], problem.metadata["expected"]
         result = run_sandboxed(
-            source, "f", [tuple(t) for t in tests], self.timeout_s, memory_mb=self.memory_mb, isolation=self.isolation
+            source, "f", [tuple(t) for t in tests], self.timeout_s, memory_mb=self.memory_mb, isolation=self.isolation,
+            allow_root=self.allow_root,
         )
         if result.status != "ok" or len(result.outputs) != len(expected):
             return 0.0
