@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
-from trace_lightning.guidance.record import ModelIdentity, format_name, weights_fingerprint
+from trace_lightning.guidance.identity import weights_fingerprint
+from trace_lightning.guidance.record import ModelIdentity, format_name
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.tensorboard import SITE_ORDER, agreement_heatmap, log_measured, write_layout
 from trace_lightning.quant import parse_format
