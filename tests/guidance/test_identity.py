@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from trace_lightning.guidance import ModelIdentity
+from trace_lightning.guidance import ModelIdentity, identity
 from trace_lightning.guidance.identity import LANES, ROW_WORDS, multipliers, scan_tensors, tensor_digest
 from trace_lightning.model import MoEConfig, Transformer
 
@@ -54,6 +54,16 @@ def test_extreme_words_do_not_overflow_the_row_sums() -> None:
     for word in (-(2**15), 2**15 - 1):
         t = torch.full((2 * ROW_WORDS,), word, dtype=torch.int16)
         assert tensor_digest(t) == oracle_digest(t)
+
+
+def test_the_gemm_path_and_the_products_path_give_the_same_integers() -> None:
+    """The CPU's float64 GEMM and the GPU's int64 products, both run here, on random and on extreme words."""
+    g = torch.Generator().manual_seed(3)
+    for rows in (torch.randint(-(2**15), 2**15, (3, ROW_WORDS), generator=g, dtype=torch.int16),
+                 torch.full((2, ROW_WORDS), -(2**15), dtype=torch.int16), torch.full((1, 77), 2**15 - 1,
+                                                                                    dtype=torch.int16),
+                 torch.randint(0, 256, (1, 1001), generator=g, dtype=torch.uint8)):
+        assert torch.equal(identity._gemm_summed(rows), identity._products_summed(rows))
 
 
 def test_equal_bytes_give_equal_digests_whatever_the_storage() -> None:

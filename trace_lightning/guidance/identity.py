@@ -10,7 +10,9 @@ It is taken in two stages so that a CUDA model never crosses to the host whole:
    rows of ``ROW_WORDS`` words; each row becomes ``LANES`` exact integer sums ``sum_j word_j * a[j, lane]``
    in int64 (|word| < 2^15, a < 2^31, 2^15 words: every partial sum stays below 2^61, so no wrap-around and
    the same integers on every device and thread count). The multipliers are nonzero and, within a lane,
-   distinct: changing one word, or swapping two different words of a row, always changes the row's sums.
+   distinct: changing one word, or swapping two different words of a row, always changes the row's sums. On a
+   GPU the int64 products are made and summed; on a CPU one float64 GEMM against the multipliers' 16-bit halves
+   gives the same integers about 3x faster (every partial sum stays below 2^46, exact in float64).
 2. On the host, sha256 over the dtype, the shape and the rows' sums in order (1/4096 of the bytes).
 
 Two tensors of one dtype and shape that differ collide only if, in every lane, some row's weighted sum of
@@ -34,7 +36,7 @@ ROW_WORDS = 1 << 15
 LANES = 2
 """Independent multiplier columns: a collision must happen in each."""
 CHUNK_ROWS = 1 << 7
-"""Rows multiplied at once: the int64 products of a chunk are 2^7 * 2^15 * LANES * 8 bytes = 64 MiB."""
+"""Rows multiplied at once: a chunk's int64 products (GPU) are 2^7 * 2^15 * LANES * 8 bytes = 64 MiB."""
 
 _MASK31 = np.uint64((1 << 31) - 1)
 
@@ -59,6 +61,13 @@ def _multipliers_on(device: torch.device) -> Tensor:
     return multipliers().to(device)
 
 
+@functools.cache
+def _multiplier_halves() -> Tensor:
+    """float64 [ROW_WORDS, 2 * LANES]: each lane's multipliers' low and high 16 bits (the CPU path's GEMM)."""
+    a = multipliers()
+    return torch.cat([a & 0xFFFF, a >> 16], dim=1).to(torch.float64)
+
+
 def tensor_words(t: Tensor) -> Tensor:
     """The tensor's bytes in memory order as a 1-D view: int16 words, or uint8 when the byte count is odd."""
     flat = t.detach().contiguous().reshape(-1)
@@ -67,18 +76,28 @@ def tensor_words(t: Tensor) -> Tensor:
     return flat.view(torch.uint8)
 
 
+def _products_summed(rows: Tensor) -> Tensor:
+    """[n, ROW_WORDS] words -> int64 [n, LANES]: the products made in int64 and summed (any device)."""
+    return (rows.unsqueeze(-1) * _multipliers_on(rows.device)[:rows.shape[1]]).sum(dim=1)
+
+
+def _gemm_summed(rows: Tensor) -> Tensor:
+    """The same integers through one float64 GEMM with 16-bit multiplier halves (about 3x faster on a CPU): every
+    partial sum is an integer below 2^15 * 2^16 * 2^15 = 2^46 < 2^53, so exact in any summation order."""
+    halves = (rows.to(torch.float64) @ _multiplier_halves()[:rows.shape[1]]).to(torch.int64)
+    return halves[:, :LANES] + halves[:, LANES:] * (1 << 16)
+
+
 def row_sums(t: Tensor) -> Tensor:
     """int64 [rows * LANES] on t's device: stage 1 (module docstring) over the tensor's words."""
     words = tensor_words(t)
-    a = _multipliers_on(words.device)
+    summed = _gemm_summed if words.device.type == "cpu" else _products_summed
     full = words.numel() // ROW_WORDS
-    parts = []
-    for start in range(0, full, CHUNK_ROWS):
-        rows = words[start * ROW_WORDS:min(start + CHUNK_ROWS, full) * ROW_WORDS].view(-1, ROW_WORDS, 1)
-        parts.append((rows * a).sum(dim=1))  # int16 * int64 -> int64 products, exact sums
+    parts = [summed(words[start * ROW_WORDS:min(start + CHUNK_ROWS, full) * ROW_WORDS].view(-1, ROW_WORDS))
+             for start in range(0, full, CHUNK_ROWS)]
     tail = words[full * ROW_WORDS:]
     if tail.numel():
-        parts.append((tail.view(-1, 1) * a[:tail.numel()]).sum(dim=0, keepdim=True))
+        parts.append(summed(tail.view(1, -1)))
     if not parts:
         return torch.zeros(0, dtype=torch.int64, device=words.device)
     return torch.cat(parts).reshape(-1)
