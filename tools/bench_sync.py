@@ -88,7 +88,7 @@ def main() -> None:
 
     parts: Mapping[str, Callable[[], object]] = {
         "update_weights, every bucket (time/sync_s)": sync,
-        "  finite check and digests (check_weights: digest_stats)": lambda: [check_weights(b, "s") for b in buckets],
+        "  finite check and byte digests (scan_tensors)": lambda: [check_weights(b, "s") for b in buckets],
         "  FP4 re-quantization (set_weight: the GEMMs' layout included)": requantize,
     }
     params = sum(t.numel() for t in master.values())

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from trace_lightning.guidance.record import tensor_digests
+from trace_lightning.guidance.identity import tensor_digests
 from trace_lightning.model import MoEConfig, Transformer
 from trace_lightning.quant import FP4Format, fake_quantize, parse_format, quantize_mxfp4
 from trace_lightning.rollout import (

@@ -10,7 +10,6 @@ stacks records into (B, T, ...) for a training minibatch and marks which positio
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trace_lightning.guidance.identity import tensor_digests, weights_fingerprint
 from trace_lightning.guidance.layout import ELEMENTS_PER_BYTE, RecordLayout
 from trace_lightning.quant import MXFP4, NVFP4, BlockFP4, FP4Format, pack_fp4, unpack_fp4
 from trace_lightning.quant.guided import check_guidance_mode
@@ -305,38 +305,6 @@ def check_route_values(routes: Tensor, n_experts: int | None = None) -> None:
     if bool(twice.any()):
         layer, pos = _first(twice)
         raise ValueError(f"duplicate expert ids {ids[layer, pos].tolist()} at layer {layer} position {pos}")
-
-
-def digest_stats(named: Mapping[str, Tensor]) -> Tensor:
-    """[n, 3] float64 on the host: per tensor its sum, sum of |x| and sum of every 7th element (float64 reductions),
-    with one host sync. Non-finite values show as a non-finite sum of |x| (float64 sums of finite weights cannot
-    overflow): check_weights reads that instead of a pass of its own."""
-    if not named:
-        return torch.zeros(0, 3, dtype=torch.float64)
-    sums: list[Tensor] = []  # three reductions a tensor, one stack for all: a weight sync runs this every step
-    for t in named.values():
-        flat = t.detach().reshape(-1)
-        sums += [flat.sum(dtype=torch.float64), torch.linalg.vector_norm(flat, 1, dtype=torch.float64),
-                 flat[::7].sum(dtype=torch.float64)]
-    device = sums[0].device
-    return torch.stack([s.to(device) for s in sums]).view(-1, 3).cpu()  # the one sync (per weight bucket)
-
-
-def tensor_digests(named: Mapping[str, Tensor], stats: Tensor | None = None) -> dict[str, str]:
-    """{name: short digest} from digest_stats (given, or taken here): cheap enough for every weight sync, and two
-    checkpoints of the same shape differ in it. Rounded to 7 significant digits, so a different reduction order
-    (device, thread count) on the rollout side does not change it."""
-    values = (digest_stats(named) if stats is None else stats).tolist()
-    return {name: f"{tuple(t.shape)}:" + ",".join(f"{v:.6e}" for v in row)
-            for (name, t), row in zip(named.items(), values, strict=True)}
-
-
-def weights_fingerprint(digests: Mapping[str, str]) -> str:
-    """The model identity a record carries: sha256 over every weight's name, shape and digest."""
-    h = hashlib.sha256()
-    for name in sorted(digests):
-        h.update(f"{name}={digests[name]};".encode())
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)

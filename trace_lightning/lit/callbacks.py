@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from typing import Any
 
@@ -12,11 +13,12 @@ import torch
 from torch import Tensor
 
 from trace_lightning.guidance import RecordExchange, collate_records, layer_bytes_per_token, select_layers
-from trace_lightning.guidance.record import ModelIdentity, format_name, weights_fingerprint
+from trace_lightning.guidance.identity import weights_fingerprint
+from trace_lightning.guidance.record import ModelIdentity, format_name
 from trace_lightning.lit.batch import TrainBatch
 from trace_lightning.lit.tensorboard import SITE_ORDER, agreement_heatmap, log_measured, write_layout
 from trace_lightning.quant import parse_format
-from trace_lightning.rl import MismatchMetric, mismatch_metrics, token_logprobs
+from trace_lightning.rl import MismatchMetric, mismatch_metrics
 from trace_lightning.rollout import check_weight_checksums, fp4_weight_checksums
 from trace_lightning.timing import device_time
 
@@ -230,16 +232,27 @@ class MismatchMonitor(L.Callback):
     mismatch a BF16 rollout of the same policy shows on the same tokens.
     """
 
-    def __init__(self, heatmap: bool = True, bf16_reference_every: int = 1, text_every: int = 25) -> None:
+    def __init__(self, heatmap: bool = True, bf16_reference_every: int | None = None, text_every: int = 25) -> None:
         """
         Args:
             heatmap: Draw the layer x site agreement heatmap at each audit step (TensorBoard IMAGES tab).
             bf16_reference_every: Steps between measurements of the BF16 reference (0: never); each costs two
-                forward passes of the batch without gradient.
+                forward passes of the batch without gradient. None: by the policy's parameter count (every step
+                below 2B parameters, one step in ceil(parameters / 1B) above, at most 50).
             text_every: Steps between decoded sample texts in TensorBoard (0: never).
         """
+        if bf16_reference_every is not None and (isinstance(bf16_reference_every, bool)
+                                                 or not isinstance(bf16_reference_every, int)
+                                                 or bf16_reference_every < 0):
+            raise ValueError(f"bf16_reference_every must be None or an integer >= 0, got {bf16_reference_every!r}")
         self.heatmap, self.bf16_reference_every, self.text_every = heatmap, bf16_reference_every, text_every
         self._reference: dict[str, Tensor] = {}
+
+    def reference_every(self, module: Any) -> int:
+        """Steps between BF16 references for this module's policy (the setting, or its parameter-count default)."""
+        if self.bf16_reference_every is not None:
+            return self.bf16_reference_every
+        return default_bf16_reference_every(sum(p.numel() for p in module.policy.parameters()))
 
     def on_fit_start(self, trainer: L.Trainer, module: Any) -> None:
         shared = module.policy.config.n_shared_experts > 0
@@ -247,7 +260,7 @@ class MismatchMonitor(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         # Before the optimizer step, so the reference scores the weights that sampled the batch.
-        every = self.bf16_reference_every
+        every = self.reference_every(module)
         due = isinstance(batch, TrainBatch) and bool(every) and trainer.global_step % every == 0
         self._reference = bf16_reference(module, batch) if due else {}
 
@@ -298,24 +311,26 @@ def agreement_metrics(audit: dict[tuple[int, str], Any]) -> dict[str, float]:
 
 @torch.no_grad()
 def bf16_reference(module: Any, batch: TrainBatch) -> dict[str, Tensor]:
-    """`mismatch_bf16/*`: the BF16 engine's weights against training's unquantized forward on the batch's tokens.
+    """`mismatch_bf16/*`: the policy with BF16 weights against training's unquantized forward on the batch's tokens.
 
-    The mismatch a BF16 rollout of the same policy would show: the floor that FP4 rollouts are compared to.
-    Empty for methods that already roll out in BF16 (their `mismatch/*` is that floor).
+    The mismatch a BF16 rollout of the same policy would show: the floor that FP4 rollouts are compared to. Both
+    sides run the trainer's own policy over the step's micro-batches (PolicyModule.unquantized_logprobs), the
+    BF16 side with each module's weights cast as it runs: no second model, nothing to sync. Empty for methods
+    that already roll out in BF16 (their `mismatch/*` is that floor).
     """
     if not module.method.rollout_fp4:
         return {}
-    bf16_model = module._eval_worker("bf16").engine.model
-    routed = batch.routes if module.trace.route_replay else None
-    logprobs = []
-    for model in (module.policy, bf16_model):
-        device = next(model.parameters()).device
-        logits = model(batch.tokens[:, :-1].to(device), attention_mask=batch.attention_mask[:, :-1].to(device),
-                       routed=None if routed is None else [r.to(device) for r in routed])
-        logprobs.append(token_logprobs(logits.float(), batch.tokens[:, 1:].to(device),
-                                       module.rollout_cfg.temperature).to(batch.tokens.device))
-    metrics = mismatch_metrics(logprobs[0], logprobs[1], batch.response_mask)
+    train = module.unquantized_logprobs(batch)
+    rollout = module.unquantized_logprobs(batch, torch.bfloat16)
+    metrics = mismatch_metrics(train, rollout, batch.response_mask)
     return {key.replace("mismatch/", "mismatch_bf16/"): value for key, value in metrics.items()}
+
+
+def default_bf16_reference_every(n_parameters: int) -> int:
+    """Steps between BF16 references by default: every step below 2B parameters, then one step in every
+    ceil(parameters / 1B) (30 at 30B, capped at 50). Its two forwards without gradient cost about two thirds of a
+    training step's compute, so large models measure it on a sample of steps."""
+    return 1 if n_parameters < 2e9 else min(50, math.ceil(n_parameters / 1e9))
 
 
 def default_callbacks() -> list[L.Callback]:
@@ -330,6 +345,7 @@ __all__ = [
     "WeightSyncError",
     "agreement_metrics",
     "bf16_reference",
+    "default_bf16_reference_every",
     "default_callbacks",
     "route_agreement",
 ]

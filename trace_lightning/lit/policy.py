@@ -30,6 +30,7 @@ from trace_lightning.lit.tensorboard import log_measured
 from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
 from trace_lightning.model import CharTokenizer, MoEConfig, QuantHook, Transformer, load_hf, load_tokenizer
+from trace_lightning.model.cast import weights_cast_as_they_run
 from trace_lightning.quant import parse_format
 from trace_lightning.rl import (
     ADVANTAGES,
@@ -290,6 +291,22 @@ class PolicyModule(L.LightningModule):
             raise NonFiniteError(f"step {self.global_step}: {err}") from err
         logprobs = token_logprobs(out.logits.float(), batch.tokens[:, 1:], self.rollout_cfg.temperature)
         return logprobs, out.routes
+
+    @torch.no_grad()
+    def unquantized_logprobs(self, batch: TrainBatch, dtype: torch.dtype | None = None) -> Tensor:
+        """Token logprobs (B, T-1) of tokens[:, 1:] from the policy's forward without quantization hooks, over
+        the training step's micro-batches, with the weights as they are or cast to ``dtype`` as each module runs
+        (model/cast.py): the BF16 reference's two sides, from the policy itself (no second copy of the model,
+        so nothing to sync: the weights read are the ones the engine last received until the optimizer steps)."""
+        cast = contextlib.nullcontext() if dtype is None else weights_cast_as_they_run(self.policy, dtype)
+        parts = []
+        with cast:
+            for rows in self.micro_batches(batch.tokens.shape[0]):
+                part = batch.rows(rows)
+                routed = part.routes if self.trace.route_replay and part.routes is not None else None
+                logits = self.policy(part.tokens[:, :-1], attention_mask=part.attention_mask[:, :-1], routed=routed)
+                parts.append(token_logprobs(logits.float(), part.tokens[:, 1:], self.rollout_cfg.temperature))
+        return torch.cat(parts)
 
     def rl_step(self, batch: TrainBatch) -> dict[str, Any]:
         advantages = ADVANTAGES[self.rl.advantage](batch.rewards, batch.group_size)  # whole groups, before the split

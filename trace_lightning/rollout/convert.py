@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from trace_lightning.guidance.identity import tensor_digests
 from trace_lightning.model.config import MoEConfig
 from trace_lightning.model.hooks import QuantHook
 from trace_lightning.model.model import Experts, Linear, grouped_experts
@@ -55,18 +56,16 @@ def is_fp4_weight(name: str, config: MoEConfig | None = None) -> bool:
     return m is not None and (config is None or config.is_quantized_layer(int(m.group(1))))
 
 
-def _bytes(t: Tensor) -> bytes:
-    t = t.detach().contiguous().cpu()
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
 def fp4_checksum(q: BlockFP4) -> str:
-    """sha256 of an FP4 tensor's format, shape, packed codes, scale bytes and (NVFP4) global scales."""
-    h = hashlib.sha256(f"{type(q).__name__}:{tuple(q.shape)}".encode())
-    h.update(_bytes(q.packed))
-    h.update(_bytes(q.scale_bytes()))
+    """sha256 of an FP4 tensor's format and shape and the byte digests (guidance/identity.py, taken on the tensors'
+    device: no copy to the host) of its packed codes, scale bytes and (NVFP4) global scales."""
+    parts = {"packed": q.packed, "scales": q.scale_bytes()}
     if isinstance(q, NVFP4) and q.global_scale is not None:
-        h.update(_bytes(q.global_scale.float()))
+        parts["global_scale"] = q.global_scale.float()
+    digests = tensor_digests(parts)
+    h = hashlib.sha256(f"{type(q).__name__}:{tuple(q.shape)}".encode())
+    for name, digest in digests.items():
+        h.update(f"{name}={digest};".encode())
     return h.hexdigest()
 
 

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from trace_lightning.guidance.compaction import route_bytes_per_token
+from trace_lightning.guidance.identity import scan_tensors, weights_fingerprint
 from trace_lightning.guidance.layout import RecordLayout, site_rows
-from trace_lightning.guidance.record import digest_stats, tensor_digests, weights_fingerprint
 from trace_lightning.model.model import Attention, ModelOutput, RMSNorm, Router
 from trace_lightning.ops import backend_for, is_triton
 from trace_lightning.rollout import memory
@@ -103,7 +103,7 @@ class Engine:
         self.kernel_options = kernel_options  # how the Triton kernels launch (autotune, shapes, PDL); None: defaults
         self.policy_version = 0
         master = model.state_dict()
-        self._digests = tensor_digests(master, check_weights(master, "Engine"))  # before any FP4 conversion or cast
+        self._digests = check_weights(master, "Engine")  # byte digests before any FP4 conversion or cast
         self._shapes = {name: tuple(t.shape) for name, t in master.items()}  # what update_weights accepts
         model.eval().requires_grad_(False)
         self._fp4_weights: dict[str, tuple[FP4Module, str]] = {}
@@ -550,14 +550,14 @@ class Engine:
         from exactly the tensors given; then set the policy version. All or nothing: every tensor (name,
         shape, dtype, finite values) and the version are checked before anything changes.
 
-        Returns the given tensors' digests (guidance/record.py `tensor_digests`), the ones `model_id` is now made
-        of: the trainer's side of the record identity, without a second pass over the same tensors."""
+        Returns the given tensors' byte digests (guidance/identity.py `tensor_digests`), the ones `model_id` is now
+        made of: the trainer's side of the record identity, without a second pass over the same tensors."""
         if not _is_integer(version) or int(version) < self.policy_version:
             raise ValueError(f"update_weights: policy version {version!r} must be an integer >= the current "
                              f"{self.policy_version} (versions never go backwards)")
         for name, t in named_tensors.items():
             self._check_update(name, t)
-        digests = tensor_digests(named_tensors, check_weights(named_tensors, "update_weights"))
+        digests = check_weights(named_tensors, "update_weights")
         self._digests.update(digests)
         moved = False
         for name, t in named_tensors.items():
@@ -603,22 +603,20 @@ class Engine:
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def check_weights(named: Mapping[str, Tensor], where: str) -> Tensor:
+def check_weights(named: Mapping[str, Tensor], where: str) -> dict[str, str]:
     """ValueError naming the first weight that is not a float tensor or holds NaN or inf: such weights would
     sample token 0 with NaN logprobs, or (NaN in k_proj) be zeroed by attention into finite garbage. Returns the
-    weights' digest_stats, whose sums of |x| it reads (one host sync for all tensors; the tensor at fault is
-    counted only when something is wrong)."""
+    weights' byte digests (guidance/identity.py), taken in the same scan: one host transfer for all tensors."""
     for name, t in named.items():
         if t.dtype not in WEIGHT_DTYPES:
             raise ValueError(f"{where}: weight {name!r} has dtype {t.dtype}; expected one of "
                              f"{', '.join(str(d) for d in WEIGHT_DTYPES)}")
-    stats = digest_stats(named)
-    finite = torch.isfinite(stats[:, 1])
-    if bool(finite.all()):
-        return stats
-    name, t = next((n, t) for (n, t), ok in zip(named.items(), finite.tolist(), strict=True) if not ok)
-    raise ValueError(f"{where}: weight {name!r} holds {int((~torch.isfinite(t)).sum())} non-finite (NaN or inf) "
-                     "values")
+    digests, finite = scan_tensors(named)
+    bad = next((name for name, ok in finite.items() if not ok), None)
+    if bad is None:
+        return digests
+    raise ValueError(f"{where}: weight {bad!r} holds {int((~torch.isfinite(named[bad])).sum())} non-finite (NaN or "
+                     "inf) values")
 
 
 def _slot_count(max_batch: object, n: int) -> int:
