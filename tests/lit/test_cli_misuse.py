@@ -72,7 +72,7 @@ def _misuse(args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 def test_a_bad_checkpoint_file_is_named_with_what_it_is_not(name: str, resume: bool, expected: str,
                                                            files: dict[str, str]) -> None:
     with pytest.raises(CheckpointFileError) as err:
-        read_checkpoint(files[name], "--ckpt_path", resume=resume)
+        read_checkpoint(files[name], "--ckpt_path", lightning=True, resume=resume)
     assert str(err.value).startswith(f"--ckpt_path {files[name]}: ") and expected in str(err.value)
     assert "\n" not in str(err.value)
 

@@ -28,9 +28,10 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {first[:160]}"
 
 
-def read_checkpoint(path: str | Path, flag: str, *, resume: bool = False) -> dict[str, Any]:
-    """The checkpoint dict of a trace-rl (Lightning) checkpoint file; resume: it must also hold the optimizer and
-    loop state a fit resumes from. Tensors are memory-mapped, so checking a large checkpoint reads little."""
+def read_checkpoint(path: str | Path, flag: str, *, lightning: bool = False, resume: bool = False) -> dict[str, Any]:
+    """The checkpoint dict of a trace-rl checkpoint file (a 'state_dict' holding 'policy.*' tensors); lightning: it
+    must also be one Lightning can restore (its version key), resume: and hold the optimizer and loop state a fit
+    resumes from. Tensors are memory-mapped, so checking a large checkpoint reads little."""
     path = Path(path)
     if not path.exists():
         raise CheckpointFileError(f"{flag} {path}: no such file (a trace-rl checkpoint, e.g. {EXAMPLE})")
@@ -45,7 +46,7 @@ def read_checkpoint(path: str | Path, flag: str, *, resume: bool = False) -> dic
         raise CheckpointFileError(f"{flag} {path}: not a trace-rl checkpoint (torch.load failed: {_reason(err)})"
                                   ) from err
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict) \
-            or "pytorch-lightning_version" not in ckpt:
+            or ((lightning or resume) and "pytorch-lightning_version" not in ckpt):
         raise CheckpointFileError(f"{flag} {path}: a bare weights file, not a trace-rl checkpoint (no Lightning "
                                   f"'state_dict'); use a checkpoint that `trace-rl fit` wrote, e.g. {EXAMPLE}")
     if not policy_weights(ckpt):

@@ -86,7 +86,7 @@ class TraceCLI(LightningCLI):
         path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if not path:
             return
-        ckpt = read_checkpoint(path, "--ckpt_path", resume=subcommand == "fit")
+        ckpt = read_checkpoint(path, "--ckpt_path", lightning=True, resume=subcommand == "fit")
         hparams = {k: v for k, v in (ckpt.get("hyper_parameters") or {}).items() if k != "_instantiator"}
         explicit = explicit_model_keys(getattr(self, "argv", []))
         if any(key == "init_from" or key.startswith("init_from.") for key in explicit):
