@@ -8,6 +8,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import safetensors.torch
@@ -15,7 +16,12 @@ import torch
 
 from trace_lightning.guidance import ModelIdentity, QuantRecord, RecordError, load_record, save_record
 from trace_lightning.guidance.record import check_route_values
-from trace_lightning.guidance.store import payload_checksum, record_tensors
+from trace_lightning.guidance.store import (
+    MAX_RECORD_BYTES,
+    payload_checksum,
+    record_tensors,
+    serialized_payload_bytes,
+)
 from trace_lightning.model import Transformer
 from trace_lightning.quant import FP4Format
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams
@@ -240,3 +246,58 @@ def test_route_checks_accept_what_a_router_produces() -> None:
     check_route_values(routes, n_experts=16)
     with pytest.raises(ValueError, match="outside the model's 15 experts"):
         check_route_values(torch.tensor([[[14, 15]]]), n_experts=15)
+
+
+def test_a_directory_is_refused_naming_its_path(tmp_path: Path) -> None:
+    err = _load_within(tmp_path)
+    assert isinstance(err, RecordError)
+    assert str(err) == f"cannot read record {tmp_path}: it is a directory, not a record file"
+
+
+class CountingReader:
+    """A binary file that counts the bytes read through it."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle, self.bytes_read = handle, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.handle.read(size)
+        self.bytes_read += len(data)
+        return data
+
+    def __enter__(self) -> "CountingReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+
+def test_a_large_file_is_refused_from_its_header_without_reading_its_body(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4 GiB file (sparse, just under the size limit) starting with a valid record's header: the header is checked
+    against the file's size before the body is read, so the refusal reads a few hundred bytes, not 4 GiB."""
+    good = save_record(_record())
+    n = int.from_bytes(good[:8], "little")
+    path = tmp_path / "huge.safetensors"
+    with path.open("wb") as f:
+        f.write(good[: 8 + n])
+        f.truncate(MAX_RECORD_BYTES - 1)
+    readers: list[CountingReader] = []
+    real_fdopen = os.fdopen
+
+    def counting_fdopen(fd: int, *args: object, **kwargs: object) -> CountingReader:
+        readers.append(CountingReader(real_fdopen(fd, *args, **kwargs)))
+        return readers[-1]
+
+    monkeypatch.setattr(os, "fdopen", counting_fdopen)
+    err = _load_within(path, seconds=2.0)
+    assert isinstance(err, RecordError), err
+    assert f"its tensors declare {serialized_payload_bytes(good)} bytes of data, the record holds " in str(err)
+    assert [r.bytes_read for r in readers] == [8 + n]  # the length prefix and the header, nothing of the body
+
+
+def test_a_record_with_bytes_past_its_tensors_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "record.safetensors"
+    path.write_bytes(save_record(_record()) + b"\0" * 64)
+    with pytest.raises(RecordError, match=r"its tensors declare \d+ bytes of data, the record holds \d+"):
+        load_record(path)

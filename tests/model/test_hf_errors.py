@@ -161,13 +161,30 @@ KEY = "model.layers.1.self_attn.k_proj.weight"
          rf"tensor '{KEY}' holds 1 non-finite"),
         (lambda t: t.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(-math.inf)),
          rf"tensor '{KEY}' holds 1 non-finite"),
+        (lambda t: t.index_put((torch.tensor([2]), torch.tensor([1])), torch.tensor(math.nan)).to(torch.float8_e4m3fn),
+         rf"tensor '{KEY}' holds 1 non-finite \(NaN or inf\) values \(dtype torch\.float8_e4m3fn\)"),
+        (lambda t: t.index_put((torch.tensor([1]), torch.tensor([1])), torch.tensor(math.inf)).to(torch.float8_e5m2),
+         rf"tensor '{KEY}' holds 1 non-finite \(NaN or inf\) values \(dtype torch\.float8_e5m2\)"),
     ],
-    ids=["int64", "bool", "nan", "-inf"],
+    ids=["int64", "bool", "nan", "-inf", "float8-nan", "float8-inf"],
 )
 def test_bad_weight_values_name_the_tensor(good: Path, tmp_path: Path, poison, message: str) -> None:  # noqa: ANN001
     path = _edit_weights(good, tmp_path, lambda s: s.update({KEY: poison(s[KEY])}))
     with pytest.raises(CheckpointError, match=message):
         load_hf(path)
+
+
+def test_finite_float8_weights_load_as_their_values(good: Path, tmp_path: Path) -> None:
+    """isfinite has no float8 kernel: the check widens the tensor instead of failing unnamed, and the values load."""
+    stored = {}
+
+    def to_float8(state: dict) -> None:
+        stored["w"] = state[KEY].to(torch.float8_e4m3fn)
+        state[KEY] = stored["w"]
+
+    model = load_hf(_edit_weights(good, tmp_path, to_float8))
+    k_rows = model.layers[1].attn.wqkv.weight[model.config.q_dim : model.config.q_dim + model.config.kv_dim]
+    torch.testing.assert_close(k_rows, stored["w"].float(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -155,3 +155,23 @@ def test_template_variables_and_generation_stop_ids(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a token id"):
             load_tokenizer(tmp_path)
     assert CharTokenizer().stop_ids == [CharTokenizer().eos_id]
+
+
+def test_an_unk_token_missing_from_the_vocabulary_is_refused_at_load(tmp_path: Path) -> None:
+    vocab = {"<s>": 0, "</s>": 1, "hello": 2}
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"tokenizer.json: the tokenizer model's unk_token '\[UNK\]' is not in its "
+                                         r"vocabulary"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("key", ["eos_token", "bos_token", "pad_token"])
+def test_a_configured_special_token_missing_from_the_vocabulary_is_refused(tmp_path: Path, key: str) -> None:
+    """Before, a missing eos fell back to '</s>' silently, and responses stopped at a token the model never learnt
+    to end with."""
+    write_word_tokenizer(tmp_path, with_config=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, key: "<|end|>"}))
+    with pytest.raises(ValueError, match=rf"tokenizer_config.json: {key} '<\|end\|>' is not in the vocabulary of "
+                                         r"tokenizer.json"):
+        load_tokenizer(tmp_path)

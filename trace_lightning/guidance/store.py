@@ -3,9 +3,10 @@
 A record that is truncated, modified, inconsistently shaped, in another format, from another model
 (weights fingerprint, layer count, top-k, expert range) or from an older policy than the trainer expects
 must never steer training, so `load_record` either returns a fully validated QuantRecord or raises
-`RecordError` saying what is wrong. A file is checked (regular, size, declared tensor sizes) before it
-is read, so a FIFO or /dev/zero passed as a record fails at once. `RecordExchange` moves records
-from the rollout side to the training side as bytes, so what is counted is what would cross a network.
+`RecordError` saying what is wrong. A file is checked (regular, size, header and declared tensor sizes)
+before its body is read, so a FIFO, a directory or /dev/zero passed as a record fails at once, and a large
+file that is not a record is refused from its first bytes. `RecordExchange` moves records from the
+rollout side to the training side as bytes, so what is counted is what would cross a network.
 """
 
 from __future__ import annotations
@@ -87,46 +88,68 @@ def serialized_payload_bytes(data: bytes) -> int:
 
 
 def _read_file(path: Path, max_bytes: int) -> bytes:
-    """A regular file's bytes, checked before reading: opening never blocks (a FIFO), and a device
-    (/dev/zero) or a file over max_bytes is refused instead of read to exhaustion."""
+    """A regular file's bytes, checked before its body is read: opening never blocks (a FIFO); a directory, a
+    device (/dev/zero) or a file over max_bytes is refused unread; the header is read and checked against the
+    file's size first, so a large file that is not a record costs a few bytes of reading, not its size."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
-        raise RecordError(f"cannot read record {path}: {err}") from err
-    with os.fdopen(fd, "rb") as f:
+        raise RecordError(f"cannot read record {path}: {err.strerror}") from err
+    try:
         info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise RecordError(f"cannot read record {path}: it is a directory, not a record file")
         if not stat.S_ISREG(info.st_mode):
             raise RecordError(f"cannot read record {path}: not a regular file")
         if info.st_size > max_bytes:
             raise RecordError(f"cannot read record {path}: {info.st_size} bytes exceeds the {max_bytes}-byte limit")
-        return f.read(info.st_size + 1)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            prefix = f.read(8)
+            prefix += f.read(_header_length(prefix, info.st_size))
+            _check_header(prefix, info.st_size)
+            return prefix + f.read(info.st_size - len(prefix) + 1)
+    except OSError as err:
+        raise RecordError(f"cannot read record {path}: {err.strerror or err}") from err
+    finally:
+        os.close(fd)
 
 
-def _check_declared_sizes(data: bytes) -> dict[str, Any]:
-    """The safetensors header, after checking that it and every tensor it declares fit the bytes present."""
-    if len(data) < 8:
-        raise RecordError(f"truncated record: {len(data)} bytes, no safetensors header")
-    n = int.from_bytes(data[:8], "little")
-    if n > min(MAX_HEADER_BYTES, len(data) - 8):
-        raise RecordError(f"truncated or unreadable record: header of {n} bytes declared, {len(data) - 8} present")
+def _header_length(prefix: bytes, size: int) -> int:
+    """The JSON header's length from the first 8 bytes of a `size`-byte blob, refused unless it fits."""
+    if size < 8 or len(prefix) < 8:
+        raise RecordError(f"truncated record: {size} bytes, no safetensors header")
+    n = int.from_bytes(prefix[:8], "little")
+    if n > min(MAX_HEADER_BYTES, size - 8):
+        raise RecordError(f"truncated or unreadable record: header of {n} bytes declared, {size - 8} present")
+    return n
+
+
+def _check_header(prefix: bytes, size: int) -> dict[str, Any]:
+    """The safetensors header of a `size`-byte blob starting with `prefix` (length + header), after checking that
+    every tensor it declares lies in the bytes present and that together they cover them exactly."""
+    n = _header_length(prefix, size)
     try:
-        header = json.loads(data[8 : 8 + n])
+        header = json.loads(prefix[8 : 8 + n])
     except ValueError as err:
         raise RecordError(f"unreadable record header: {err}") from err
     if not isinstance(header, dict):
         raise RecordError("unreadable record header: not a JSON object")
-    payload = len(data) - 8 - n
+    payload, covered = size - 8 - n, 0
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
-            size = _DTYPE_BYTES[entry["dtype"]] * math.prod(int(d) for d in entry["shape"])
+            size_of = _DTYPE_BYTES[entry["dtype"]] * math.prod(int(d) for d in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as err:
             raise RecordError(f"wrong format: tensor {name!r} declares dtype/shape/offsets {entry!r}") from err
-        if any(int(d) < 0 for d in entry["shape"]) or not 0 <= begin <= end <= payload or end - begin != size:
-            raise RecordError(f"truncated or unreadable record: tensor {name!r} declares {size} bytes at "
+        if any(int(d) < 0 for d in entry["shape"]) or not 0 <= begin <= end <= payload or end - begin != size_of:
+            raise RecordError(f"truncated or unreadable record: tensor {name!r} declares {size_of} bytes at "
                               f"{begin}..{end}, the record holds {payload}")
+        covered = max(covered, end)
+    if covered != payload:
+        raise RecordError(f"unreadable record: its tensors declare {covered} bytes of data, the record holds "
+                          f"{payload}")
     return header
 
 
@@ -135,7 +158,7 @@ def _read(source: bytes | str | Path,
     data = bytes(source) if isinstance(source, bytes | bytearray) else _read_file(Path(source), max_bytes)
     if len(data) > max_bytes:
         raise RecordError(f"record of {len(data)} bytes exceeds the {max_bytes}-byte limit")
-    header = _check_declared_sizes(data)
+    header = _check_header(data[: 8 + _header_length(data, len(data))], len(data))
     try:
         tensors = safetensors.torch.load(data)
     except (SafetensorError, ValueError) as err:

@@ -13,8 +13,18 @@ from typing import Any
 
 from jsonargparse import ArgumentError, DefaultHelpFormatter, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from trace_lightning.lit.checkpoints import CheckpointFileError, read_checkpoint
+from trace_lightning.lit.cli_checks import (
+    CLIError,
+    check_accelerator,
+    check_checkpoint_fits,
+    check_group_values,
+    check_identity,
+    drop_checkpoint_callbacks,
+    explicit_model_keys,
+)
 from trace_lightning.lit.console import RLProgressBar, RunSummary, quiet_lightning
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import PolicyModule
@@ -52,10 +62,6 @@ PARSER = {"exit_on_error": False, "formatter_class": HelpFormatter}
 """Every parser raises errors (entry() prints them on one line) and keeps description line breaks."""
 
 
-class CLIError(Exception):
-    """A misuse the user fixes on the command line (printed as one line, exit status 2)."""
-
-
 class TraceCLI(LightningCLI):
     """Links the module's seed into the data module so prompts and rollouts share one seed."""
 
@@ -67,8 +73,44 @@ class TraceCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 (jsonargparse parser)
         parser.link_arguments("model.seed", "data.seed")
 
+    def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 (jsonargparse parser, Lightning's ArgsType)
+        self.argv = list(args) if isinstance(args, list | tuple) else sys.argv[1:] if args is None else []
+        check_group_values(self.argv)
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's merge of a checkpoint's settings into the config, after checking the file (one line for a
+        missing, garbage, weights-only or foreign one) and the command line against it: settings that define the
+        weights must agree, other explicit --model.* overrides apply over the checkpoint's."""
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not path:
+            return
+        ckpt = read_checkpoint(path, "--ckpt_path", lightning=True, resume=subcommand == "fit")
+        hparams = {k: v for k, v in (ckpt.get("hyper_parameters") or {}).items() if k != "_instantiator"}
+        explicit = explicit_model_keys(getattr(self, "argv", []))
+        if any(key == "init_from" or key.startswith("init_from.") for key in explicit):
+            raise CLIError(f"--model.init_from and --ckpt_path both given: the weights of --ckpt_path {path} would "
+                           "replace those of init_from; pass one")
+        given = self.config[subcommand].model.clone()
+        check_identity(given, hparams, path)
+        if hparams:
+            try:
+                self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+            except (ArgumentError, SystemExit) as err:
+                raise CLIError(f"--ckpt_path {path}: its settings are not trace-rl's (a checkpoint of another "
+                               f"model?): {one_line(err)}") from err
+        model = self.config[subcommand].model
+        for key in explicit:
+            if key in given:
+                model[key] = given[key]
+        model.init_from = None  # the run's start; its weights are replaced by the checkpoint's anyway
+        check_checkpoint_fits(model, ckpt, path)
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_accelerator(config.trainer)
+        drop_checkpoint_callbacks(config.trainer)
         bar = [RLProgressBar()] if config.trainer.get("enable_progress_bar") is not False else []
         self.trainer_defaults["callbacks"] = [*bar, RunSummary()]
         if self.subcommand == "predict":
@@ -131,9 +173,9 @@ def entry() -> None:
         main()
     except SIGTERMException as stop:
         raise SystemExit(stop.code or 128 + signal.SIGTERM) from stop
-    except (ArgumentError, CLIError, ValueError) as err:
+    except (ArgumentError, CLIError, ValueError, MisconfigurationException) as err:
         print(f"{command}: error: {one_line(err)}", file=sys.stderr)
-        if not isinstance(err, CLIError):
+        if not isinstance(err, CLIError | CheckpointFileError):
             print(f"({command} --help lists every option and value)", file=sys.stderr)
         sys.exit(2)
 

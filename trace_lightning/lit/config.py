@@ -180,8 +180,9 @@ class RLConfig:
 
 
 def check_run_args(rl: RLConfig, rollout: RolloutConfig, *, lr: float, warmup_lr: float, warmup_steps: int,
-                   micro_batch_size: int | None = None) -> None:
+                   micro_batch_size: int | None = None, cpu_threads: int = 0) -> None:
     """The checks that span configs, and the module's own numbers: all before any weight is built."""
+    check_int("cpu_threads", cpu_threads, 0)
     if micro_batch_size is not None:
         check_int("micro_batch_size", micro_batch_size, 1)
     if rl.advantage == "rloo" and rollout.group_size < 2:

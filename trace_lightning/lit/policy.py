@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from trace_lightning.envs import Problem, score_responses
 from trace_lightning.guidance import FakeQuantHook, FiniteCheckHook, GuidedHook, ModelIdentity, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch, micro_batches
+from trace_lightning.lit.checkpoints import check_fits, policy_weights, read_checkpoint
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
 from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale, micro_batch_share
 from trace_lightning.lit.tensorboard import log_measured
@@ -78,15 +79,13 @@ def build_policy(model: str, checkpoint: str | None, chat_template: bool | None 
     return Transformer(config), tokenizer
 
 
-def load_policy_weights(policy: Transformer, path: str) -> None:
-    """Load the `policy.*` weights of a trace-rl Lightning checkpoint, all or nothing."""
-    state = torch.load(path, map_location="cpu", weights_only=True).get("state_dict", {})
-    weights = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
-    if not weights:
-        raise ValueError(f"{path} holds no policy weights (expected 'policy.*' keys in its state_dict)")
-    missing, unexpected = policy.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+def load_policy_weights(policy: Transformer, path: str, flag: str = "--model.init_from") -> None:
+    """Load the `policy.*` weights of a trace-rl Lightning checkpoint, all or nothing (CheckpointFileError naming
+    `flag` and the file for a missing, unreadable or foreign one, or one of another model)."""
+    weights = policy_weights(read_checkpoint(path, flag))
+    check_fits(weights, {k: v.shape for k, v in policy.state_dict().items()}, f"{flag} {path}",
+               policy.config.name)
+    policy.load_state_dict(weights)
 
 
 class PolicyModule(L.LightningModule):
@@ -146,7 +145,7 @@ class PolicyModule(L.LightningModule):
         self.fmt = parse_format(self.trace.fmt)
         self.correction = self.rl.correction or self.method.correction
         check_run_args(self.rl, self.rollout_cfg, lr=lr, warmup_lr=warmup_lr, warmup_steps=warmup_steps,
-                       micro_batch_size=micro_batch_size)
+                       micro_batch_size=micro_batch_size, cpu_threads=cpu_threads)
         # Manual optimization: a step is zero_grad, a backward per micro-batch, one optimizer step (training_step).
         self.automatic_optimization = False
         if self.correction not in CORRECTIONS:

@@ -93,6 +93,7 @@ class HFTokenizer:
             raise FileNotFoundError(f"no tokenizer.json at {path}")
         self.tok = _read_tokenizer(file, _Tokenizer)
         specials = _special_tokens(file.parent / "tokenizer_config.json")
+        self._check_specials_in_vocab(file, specials)
         self.bos_id = self._id(specials.get("bos_token"), (BOS, "<s>", "<|endoftext|>"))
         self.eos_id = self._id(specials.get("eos_token"), (EOS, "</s>", "<|endoftext|>", "<|im_end|>"))
         pad = self._id(specials.get("pad_token"), (PAD, "<unk>"))
@@ -109,6 +110,19 @@ class HFTokenizer:
         ends = [] if self.eos_id is None else [self.eos_id]
         self._stop_ids = list(dict.fromkeys(ends + _generation_eos(file.parent / "generation_config.json",
                                                                    self.vocab_size)))
+
+    def _check_specials_in_vocab(self, file: Path, specials: dict[str, str]) -> None:
+        """The model's unk token and tokenizer_config.json's bos/eos/pad tokens must be in the vocabulary: a missing
+        unk fails at the first unknown piece of an encode, and a missing eos would be replaced by a fallback token
+        responses then never stop at."""
+        unk = getattr(self.tok.model, "unk_token", None)
+        if isinstance(unk, str) and self.tok.token_to_id(unk) is None:
+            raise ValueError(f"{file}: the tokenizer model's unk_token {unk!r} is not in its vocabulary (encoding "
+                             "an unknown piece would fail); add the token or set unk_token to null")
+        for key, token in specials.items():
+            if self.tok.token_to_id(token) is None:
+                raise ValueError(f"{file.parent / 'tokenizer_config.json'}: {key} {token!r} is not in the vocabulary "
+                                 f"of {file.name}")
 
     def _id(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
         for token in (configured, *fallbacks):
