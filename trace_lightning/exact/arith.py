@@ -61,10 +61,10 @@ def fp4_integers(q: NVFP4) -> Tensor:
     return local.double() * 1024.0
 
 
-def fp4_matmul(a: NVFP4, b: NVFP4, a_global: Tensor, b_global: Tensor) -> Tensor:
-    """a [M, K] @ b [N, K].T with row globals a_global [M], b_global [N] -> float32 [M, N], rounded once per output
-    from an exact float64 integer sum (any BLAS order gives the same bits)."""
-    ia, ib, K = fp4_integers(a), fp4_integers(b), a.shape[-1]
+def fp4_matmul(ia: Tensor, ib: Tensor, a_global: Tensor, b_global: Tensor) -> Tensor:
+    """a [M, K] @ b [N, K].T of FP4 integers (fp4_integers) with row globals a_global [M], b_global [N] -> float32
+    [M, N], rounded once per output from an exact float64 integer sum (any BLAS order gives the same bits)."""
+    K = ia.shape[-1]
     total = ia[:, :EXACT_K] @ ib[:, :EXACT_K].T
     for k in range(EXACT_K, K, EXACT_K):  # fixed order over exact partials
         total = total + ia[:, k : k + EXACT_K] @ ib[:, k : k + EXACT_K].T
@@ -118,15 +118,13 @@ def dense_linear(x: Tensor, w: Tensor) -> Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def fp4_linear(x_value: Tensor, xq: NVFP4, w_value: Tensor | None, wq: NVFP4, w_global: Tensor) -> Tensor:
-    """The W4A4 product of activation rows xq [M, K] (values x_value) and weight wq [N, K] (row globals w_global,
-    values w_value for the backward, None without one) -> float32 [M, N]."""
-    xg = xq.global_scale.reshape(-1)
-    compute = lambda: fp4_matmul(xq, wq, xg, w_global)  # noqa: E731
-    if w_value is None and not x_value.requires_grad:
+def fp4_linear(x_value: Tensor, xq: NVFP4, w_value: Tensor | None, w_ints: Tensor, w_global: Tensor) -> Tensor:
+    """The W4A4 product of activation rows xq [M, K] (values x_value) and a weight's FP4 integers w_ints [N, K] (row
+    globals w_global; values w_value for the backward, None without one) -> float32 [M, N]."""
+    compute = lambda: fp4_matmul(fp4_integers(xq), w_ints, xq.global_scale.reshape(-1), w_global)  # noqa: E731
+    if w_value is None:
         return compute()
-    w = w_value if w_value is not None else wq.dequantize(torch.float32)
-    return _Gemm.apply(x_value, w, compute)
+    return _Gemm.apply(x_value, w_value, compute)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, rnd: Callable[[Tensor], Tensor]) -> Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -22,8 +23,10 @@ from trace_lightning.model.model import ModelOutput, Transformer, rope_cos_sin
 from trace_lightning.quant import NVFP4, quantize_weight, row_global_scale
 from trace_lightning.quant import quantize_nvfp4 as _quantize_nvfp4
 from trace_lightning.quant.words import canonical
-from trace_lightning.rollout.cache import FP4KVCache, KVCache
 from trace_lightning.sim._weights import row_globals
+
+if TYPE_CHECKING:
+    from trace_lightning.rollout.cache import KVCache
 
 
 def quantize_rows(x: Tensor) -> NVFP4:
@@ -49,6 +52,8 @@ class ExactForward:
             raise ValueError(f"trace_exact computes NVFP4 only (integer-exact GEMMs need E4M3 scales), got {fmt!r}")
         self.model, self.config, self.fmt = model, model.config, fmt
         self.compute_dtype = compute_dtype
+        self._held: dict[tuple[int, str], tuple[tuple[int, int, int], Tensor, Tensor]] = {}
+        """The engine's FP4 weights as integers, by module and key, while their tensors' versions hold."""
 
     def rnd(self, x: Tensor) -> Tensor:
         """x rounded to the compute dtype, kept in float32 for the next op."""
@@ -59,21 +64,27 @@ class ExactForward:
         return self.rnd(p.float())
 
     # ---- projections --------------------------------------------------------------------------------
-    def weight(self, module: nn.Module, key: str) -> tuple[NVFP4, Tensor, Tensor | None]:
-        """(NVFP4 weight, float32 row globals, straight-through values or None) of a Linear / FP4Linear weight
-        ("weight") or an Experts / FP4Experts stack ("w13", "w2")."""
+    def weight(self, module: nn.Module, key: str) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(FP4 integers [..., N, K], float32 row globals [..., N], straight-through values or None) of a Linear /
+        FP4Linear weight ("weight") or an Experts / FP4Experts stack ("w13", "w2")."""
         held = getattr(module, "q", None)
-        if held is not None:  # the engine's converter: quantized from the master weight at its last sync
-            q = canonical(held[key] if isinstance(held, dict) else held)
-            return q, row_globals(q), None
-        w = getattr(module, key)
-        q = quantize_weight(w.detach(), self.fmt)
-        return q, row_globals(q), arith.straight_through(w, q)
+        if held is None:  # the trainer's master weight, quantized by the converter's quantizer
+            w = getattr(module, key)
+            q = quantize_weight(w.detach(), self.fmt)
+            return arith.fp4_integers(q), row_globals(q), arith.straight_through(w, q)
+        q = canonical(held[key] if isinstance(held, dict) else held)  # the engine's, from its last sync
+        version = (q.packed._version, q.scales._version, q.packed.data_ptr())
+        kept = self._held.get((id(module), key))
+        if kept is None or kept[0] != version:  # a weight sync overwrote the codes in place
+            kept = version, arith.fp4_integers(q), row_globals(q)
+            self._held[(id(module), key)] = kept
+        return kept[1], kept[2], None
 
     def fp4_rows(self, x: Tensor) -> tuple[Tensor, NVFP4]:
-        """(straight-through values, NVFP4) of activation rows x [M, K]."""
+        """(straight-through values for the backward, NVFP4) of activation rows x [M, K]; without a gradient the
+        values are never read (the GEMM reads the codes), so x stands in for them."""
         q = quantize_rows(x.detach())
-        return arith.straight_through(x, q), q
+        return (arith.straight_through(x, q) if x.requires_grad else x), q
 
     def linear(self, module: nn.Module, x: Tensor, quantized: bool) -> Tensor:
         """x (..., K) -> (..., N) through a projection: W4A4 in quantized layers, dense tree GEMM otherwise."""
@@ -118,7 +129,7 @@ class ExactForward:
                 k, v = (arith.straight_through(t, quantize_rows(t.detach())) for t in (k, v))
             assert allowed is not None
             return k, v, allowed
-        if isinstance(cache, FP4KVCache) and quantized:
+        if quantized and i in getattr(cache, "layers", {}):  # an NVFP4 layer of the FP4 cache
             store, n = cache.layers[i], cache.visible
             cache.ops.kv_append(store, k, v, positions)
             k_all = store.keys(n).dequantize(torch.float32).transpose(1, 2)
@@ -128,8 +139,7 @@ class ExactForward:
         return k_all.float(), v_all.float(), seen
 
     def moe(self, i: int, moe: nn.Module, x: Tensor, routed: Tensor | None) -> tuple[Tensor, Tensor]:
-        c, (B, T, D) = self.config, x.shape
-        quantized = c.is_quantized_layer(i)
+        c, quantized = self.config, self.config.is_quantized_layer(i)
         scores = arith.dense_linear(x, self.param(moe.router.weight))  # (B, T, E)
         scores = self.rnd(scores).softmax(dim=-1) if c.router == "softmax" else self.rnd(scores).sigmoid()
         if routed is None:
@@ -184,12 +194,11 @@ class ExactForward:
         weights = {key: self.weight(experts, key) for key in ("w13", "w2")}
 
         def project(key: str, e: int, part: Tensor) -> Tensor:
-            wq, wg, w_value = weights[key]
+            ints, wg, w_value = weights[key]
             if not part.shape[0]:  # an expert no token picked
-                return part.new_zeros(0, wq.shape[-2])
-            expert_q = NVFP4(wq.packed[e], wq.scales[e], None)
+                return part.new_zeros(0, ints.shape[-2])
             value, xq = self.fp4_rows(part)
-            return arith.fp4_linear(value, xq, None if w_value is None else w_value[e], expert_q, wg[e])
+            return arith.fp4_linear(value, xq, None if w_value is None else w_value[e], ints[e], wg[e])
 
         return project
 
