@@ -30,12 +30,13 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 def _decoded_logits(engine: Engine, seqs: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
     """Each sequence's logits at positions len(prompt)-1 .. len(seq)-2: a prefill, then one decode step a token."""
     recorder, hook, cache = engine._call_buffers(None, len(seqs), max(map(len, seqs)))
-    out = [[row] for row in engine.prefill([s[:n] for s, n in zip(seqs, prompt_lens)], cache, hook, recorder)]
+    prompts = [s[:n] for s, n in zip(seqs, prompt_lens, strict=True)]
+    out = [[row] for row in engine.prefill(prompts, cache, hook, recorder)]
     pos = torch.tensor(prompt_lens)
-    for _ in range(max(len(s) - n for s, n in zip(seqs, prompt_lens)) - 1):
+    for _ in range(max(len(s) - n for s, n in zip(seqs, prompt_lens, strict=True)) - 1):
         pos = torch.minimum(pos, torch.tensor([len(s) - 1 for s in seqs]))  # a finished row repeats its last step
         cache.visible = int(pos.max()) + 1
-        tokens = torch.tensor([s[p] for s, p in zip(seqs, pos.tolist())])[:, None]
+        tokens = torch.tensor([s[p] for s, p in zip(seqs, pos.tolist(), strict=True)])[:, None]
         logits = engine.decode_one_token(tokens, pos[:, None], cache, hook, recorder)
         for b, row in enumerate(logits):
             if len(out[b]) < len(seqs[b]) - prompt_lens[b]:
@@ -55,7 +56,7 @@ def _full_logits(master: Transformer, dtype: torch.dtype, seqs: list[list[int]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("batch", [1, 5])
 def test_decoded_logits_equal_the_full_forwards(master: Transformer, dtype: torch.dtype, batch: int) -> None:
     engine = _engine(master, dtype)
     prompts = _prompts(batch, seed=batch)
@@ -63,7 +64,7 @@ def test_decoded_logits_equal_the_full_forwards(master: Transformer, dtype: torc
     seqs = [p + torch.randint(1, 128, (4,), generator=g).tolist() for p in prompts]
     decoded = _decoded_logits(engine, seqs, [len(p) for p in prompts])
     full = _full_logits(master, dtype, seqs)
-    for b, (s, p) in enumerate(zip(seqs, prompts)):
+    for b, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
         assert torch.equal(decoded[b], full[b, len(p) - 1 : len(s) - 1]), f"row {b}"
     # the same sequence alone, and at another place in another batch: the same bits
     alone = _decoded_logits(engine, seqs[-1:], [len(prompts[-1])])[0]
@@ -80,9 +81,9 @@ def test_sampled_logprobs_equal_the_training_forwards(master: Transformer, max_b
     engine = _engine(master, torch.float32)
     prompts = _prompts(6, seed=7)
     out = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3), max_batch=max_batch)
-    seqs = [p + r for p, r in zip(prompts, out.responses)]
+    seqs = [p + r for p, r in zip(prompts, out.responses, strict=True)]
     logprobs = _full_logits(master, torch.float32, seqs).float().log_softmax(-1)
-    for b, (p, r) in enumerate(zip(prompts, out.responses)):
+    for b, (p, r) in enumerate(zip(prompts, out.responses, strict=True)):
         want = logprobs[b, len(p) - 1 : len(p) - 1 + len(r)].gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         assert torch.equal(torch.tensor(out.logprobs[b]), want), f"sequence {b}"
 
