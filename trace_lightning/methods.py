@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TRAIN_QUANT = ("none", "qat", "guided")
+TRAIN_QUANT = ("none", "qat", "guided", "exact")
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,8 @@ class MethodSpec:
     rollout_fp4: bool
     """The rollout engine runs FP4 weights, activations and KV cache (else BF16)."""
     train_quant: str
-    """Training forward: "none" (BF16/FP32), "qat" (own-scale fake-quant), "guided" (rounds to the record)."""
+    """Training forward: "none" (BF16/FP32), "qat" (own-scale fake-quant), "guided" (rounds to the record), "exact"
+    (the rollout's own invariant computation, trace_lightning/exact: bit for bit the rollout's logprobs)."""
     guidance_mode: str | None = None
     """Record payload for guided training: "full" codes or "parity" bits (plus scales)."""
     default_layers: str = "none"
@@ -30,6 +31,11 @@ class MethodSpec:
     @property
     def records(self) -> bool:
         return self.train_quant == "guided"
+
+    @property
+    def exact(self) -> bool:
+        """Rollout and training run one batch-invariant forward (no record, no routing replay needed)."""
+        return self.train_quant == "exact"
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -43,6 +49,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec(
             "trace_compact", rollout_fp4=True, train_quant="guided", guidance_mode="parity", default_layers="all"
         ),
+        MethodSpec("trace_exact", rollout_fp4=True, train_quant="exact"),
     )
 }
 

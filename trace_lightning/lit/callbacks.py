@@ -123,6 +123,9 @@ class CacheExchange(L.Callback):
         self._bytes_per_token: float | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        if isinstance(batch, TrainBatch) and batch.record is None and module.method.exact:
+            # trace_exact records nothing: its zero bytes are logged, so its runs line up with the record methods'
+            log_measured(module, {"guidance/exchange_bytes": 0.0, "guidance/bytes_per_token": 0.0}, module.global_step)
         if not isinstance(batch, TrainBatch) or batch.record is None:
             return
         model = getattr(module, "synced_identity", None)  # WeightSync's, from the weights it last synced

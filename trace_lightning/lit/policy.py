@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Problem, score_responses
+from trace_lightning.exact import ExactForward
 from trace_lightning.guidance import FakeQuantHook, FiniteCheckHook, GuidedHook, ModelIdentity, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch, micro_batches
 from trace_lightning.lit.checkpoints import check_fits, policy_weights, read_checkpoint
@@ -275,6 +276,8 @@ class PolicyModule(L.LightningModule):
     def training_forward(self, batch: TrainBatch, hook: QuantHook | None) -> tuple[Tensor, list[Tensor]]:
         """Token logprobs (B, T-1) of tokens[:, 1:] at the sampling temperature, and training's routes."""
         routed = batch.routes if self.trace.route_replay and batch.routes is not None else None
+        if self.method.exact:
+            return self.exact_forward(batch, routed)
         checked = hook if isinstance(hook, FiniteCheckHook) else FiniteCheckHook()
         checked.deferred = True  # one host sync after the forward, not one a site
         try:
@@ -306,6 +309,16 @@ class PolicyModule(L.LightningModule):
                 logits = self.policy(part.tokens[:, :-1], attention_mask=part.attention_mask[:, :-1], routed=routed)
                 parts.append(token_logprobs(logits.float(), part.tokens[:, 1:], self.rollout_cfg.temperature))
         return torch.cat(parts)
+
+    def exact_forward(self, batch: TrainBatch, routed: list[Tensor] | None) -> tuple[Tensor, list[Tensor]]:
+        """trace_exact: the rollout engine's own invariant forward in its compute dtype, so the logprobs are the
+        rollout's bit for bit (taken as the engine's sampler takes them: log_softmax of logits / temperature)."""
+        out = ExactForward(self.policy, self.worker.engine.compute_dtype, self.trace.fmt)(
+            batch.tokens[:, :-1], attention_mask=batch.attention_mask[:, :-1], routed=routed)
+        logits = out.logits.float()
+        scaled = logits / self.rollout_cfg.temperature if self.rollout_cfg.temperature > 0 else logits
+        logprobs = scaled.log_softmax(dim=-1).gather(-1, batch.tokens[:, 1:, None].long()).squeeze(-1)
+        return logprobs, out.routes
 
     def rl_step(self, batch: TrainBatch) -> dict[str, Any]:
         advantages = ADVANTAGES[self.rl.advantage](batch.rewards, batch.group_size)  # whole groups, before the split

@@ -77,7 +77,7 @@ class RolloutWorker(L.LightningModule):
             precision = rollout_precision(self.method, self.trace)
             self._engine = Engine(engine_copy(self._policy).eval(), precision, backend=self.trace.backend,
                                   cuda_graph=self.trace.cuda_graph, prefill_chunk=self.rollout_cfg.prefill_chunk,
-                                  keep_decode_graph=self.trace.keep_decode_graph)
+                                  keep_decode_graph=self.trace.keep_decode_graph, exact=self.method.exact)
             self._engine.policy_version = version
         return self._engine
 
@@ -94,7 +94,7 @@ class RolloutWorker(L.LightningModule):
 
     def capture_spec(self) -> CaptureSpec | None:
         """What the next rollout records: the recorded layers' sites (every layer's full codes on an audit)."""
-        if not self.method.rollout_fp4:
+        if not self.method.rollout_fp4 or self.method.exact:  # trace_exact: training recomputes, nothing to record
             return None
         config = self.engine.config
         every = range(config.n_layers) if self.audit_next else self.record_layers

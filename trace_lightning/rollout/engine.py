@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from trace_lightning.exact import ExactForward
 from trace_lightning.guidance.compaction import route_bytes_per_token
 from trace_lightning.guidance.identity import scan_tensors, weights_fingerprint
 from trace_lightning.guidance.layout import RecordLayout, site_rows
@@ -83,7 +84,7 @@ class Engine:
                  sync_every: int = 8, fused_attention: bool | None = None, fused_norms: bool | None = None,
                  cuda_graph: bool = True, kernel_options: KernelOptions | None = None,
                  prefill_dense_from: int | None = None, prefill_chunk: int | None = None,
-                 keep_decode_graph: bool = True) -> None:
+                 keep_decode_graph: bool = True, exact: bool = False) -> None:
         self.compute_dtype, self.fp4 = resolve_precision(precision)
         self.precision = precision
         self.config = model.config
@@ -130,6 +131,7 @@ class Engine:
         if prefill_chunk is not None and (not _is_integer(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        self.exact = self._exact_forward(exact)
         self._workspace: dict[tuple[int, RecordLayout | None], tuple[int, int, int]] = {}  # workspace_bytes' line
 
     # ---- generation --------------------------------------------------------------------------------
@@ -331,13 +333,29 @@ class Engine:
                  recorder: Recorder, logits_at: Tensor | None = None) -> Tensor:
         recorder.positions = positions
         options = self.kernel_options
-        with self.ops.kernel_options(options) if options is not None else contextlib.nullcontext():
-            out: ModelOutput = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True,
-                                          logits_at=logits_at)
+        if self.exact is not None:  # trace_exact: the forward training repeats bit for bit (hook and records unused)
+            out: ModelOutput = self.exact(ids, positions=positions, cache=cache, logits_at=logits_at)
+        else:
+            with self.ops.kernel_options(options) if options is not None else contextlib.nullcontext():
+                out = self.model(ids, positions=positions, cache=cache, hook=hook, return_routes=True,
+                                 logits_at=logits_at)
         recorder.observe_routes(out.routes)
         return out.logits
 
     # ---- pieces of a generate call -----------------------------------------------------------------
+    def _exact_forward(self, exact: bool) -> ExactForward | None:
+        """The batch-invariant forward (trace_lightning/exact) when `exact`: the sim backend, NVFP4 weights,
+        activations and KV cache (what it computes exactly); None otherwise."""
+        if not exact:
+            return None
+        fp4 = self.fp4
+        if is_triton(self.ops):
+            raise ValueError("exact=True runs on the sim backend only: the Triton kernels are not batch-invariant yet")
+        if fp4 is None or fp4.fmt != "nvfp4" or not (fp4.weights and fp4.activations and fp4.kv):
+            raise ValueError(f"exact=True needs NVFP4 weights, activations and KV cache; precision is "
+                             f"{self.precision!r}")
+        return ExactForward(self.model, self.compute_dtype, fp4.fmt)
+
     def _fake_quantizer(self) -> RowFakeQuantizer:
         assert self.fp4 is not None
         if self.fp4.fmt == "mxfp4":

@@ -1,0 +1,95 @@
+"""Prefill equals decode, bit for bit: the logits the exact engine decodes token by token are those of one forward
+over the whole sequence (the training step's), whatever the batch, a row's place in it, the prompt lengths, or
+continuous batching (rtol=0, atol=0)."""
+
+import copy
+
+import pytest
+import torch
+
+from trace_lightning.exact import ExactForward
+from trace_lightning.model import MoEConfig, Transformer
+from trace_lightning.rollout import Engine, FP4Precision, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def master() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(MoEConfig.from_name("debug-moe", n_layers=2))
+
+
+def _engine(master: Transformer, dtype: torch.dtype) -> Engine:
+    return Engine(copy.deepcopy(master), FP4Precision(compute_dtype=dtype), backend="sim", exact=True)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (int(k),), generator=g).tolist() for k in torch.randint(1, 10, (n,), generator=g)]
+
+
+def _decoded_logits(engine: Engine, seqs: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
+    """Each sequence's logits at positions len(prompt)-1 .. len(seq)-2: a prefill, then one decode step a token."""
+    recorder, hook, cache = engine._call_buffers(None, len(seqs), max(map(len, seqs)))
+    prompts = [s[:n] for s, n in zip(seqs, prompt_lens, strict=True)]
+    out = [[row] for row in engine.prefill(prompts, cache, hook, recorder)]
+    pos = torch.tensor(prompt_lens)
+    for _ in range(max(len(s) - n for s, n in zip(seqs, prompt_lens, strict=True)) - 1):
+        pos = torch.minimum(pos, torch.tensor([len(s) - 1 for s in seqs]))  # a finished row repeats its last step
+        cache.visible = int(pos.max()) + 1
+        tokens = torch.tensor([s[p] for s, p in zip(seqs, pos.tolist(), strict=True)])[:, None]
+        logits = engine.decode_one_token(tokens, pos[:, None], cache, hook, recorder)
+        for b, row in enumerate(logits):
+            if len(out[b]) < len(seqs[b]) - prompt_lens[b]:
+                out[b].append(row)
+        pos = pos + 1
+    return [torch.stack(rows) for rows in out]
+
+
+def _full_logits(master: Transformer, dtype: torch.dtype, seqs: list[list[int]]) -> torch.Tensor:
+    """One forward of the trainer's master weights over the right-padded sequences: (B, T, V)."""
+    T = max(map(len, seqs))
+    ids, mask = torch.zeros(len(seqs), T, dtype=torch.long), torch.zeros(len(seqs), T, dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), True
+    with torch.no_grad():
+        return ExactForward(master, dtype)(ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_decoded_logits_equal_the_full_forwards(master: Transformer, dtype: torch.dtype, batch: int) -> None:
+    engine = _engine(master, dtype)
+    prompts = _prompts(batch, seed=batch)
+    g = torch.Generator().manual_seed(10 + batch)
+    seqs = [p + torch.randint(1, 128, (4,), generator=g).tolist() for p in prompts]
+    decoded = _decoded_logits(engine, seqs, [len(p) for p in prompts])
+    full = _full_logits(master, dtype, seqs)
+    for b, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
+        assert torch.equal(decoded[b], full[b, len(p) - 1 : len(s) - 1]), f"row {b}"
+    # the same sequence alone, and at another place in another batch: the same bits
+    alone = _decoded_logits(engine, seqs[-1:], [len(prompts[-1])])[0]
+    assert torch.equal(alone, decoded[-1])
+    others = _prompts(3, seed=99)
+    mixed = [others[0] + [5, 6], seqs[-1], others[1] + [7]]
+    moved = _decoded_logits(engine, mixed, [len(others[0]), len(prompts[-1]), len(others[1])])[1]
+    assert torch.equal(moved, decoded[-1])
+
+
+@pytest.mark.parametrize("max_batch", [None, 2])
+def test_sampled_logprobs_equal_the_training_forwards(master: Transformer, max_batch: int | None) -> None:
+    """generate (static or continuous batching) against the training forward: every response token's logprob."""
+    engine = _engine(master, torch.float32)
+    prompts = _prompts(6, seed=7)
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3), max_batch=max_batch)
+    seqs = [p + r for p, r in zip(prompts, out.responses, strict=True)]
+    logprobs = _full_logits(master, torch.float32, seqs).float().log_softmax(-1)
+    for b, (p, r) in enumerate(zip(prompts, out.responses, strict=True)):
+        want = logprobs[b, len(p) - 1 : len(p) - 1 + len(r)].gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        assert torch.equal(torch.tensor(out.logprobs[b]), want), f"sequence {b}"
+
+
+def test_exact_engine_refuses_what_it_cannot_compute(master: Transformer) -> None:
+    with pytest.raises(ValueError, match="NVFP4 weights, activations and KV cache"):
+        Engine(copy.deepcopy(master), FP4Precision(fmt="mxfp4"), backend="sim", exact=True)
+    with pytest.raises(ValueError, match="NVFP4 weights, activations and KV cache"):
+        Engine(copy.deepcopy(master), "bf16", backend="sim", exact=True)

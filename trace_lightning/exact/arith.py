@@ -1,0 +1,151 @@
+"""Batch- and split-invariant arithmetic: a row's result never depends on the rows beside it or on masked keys.
+
+BLAS GEMMs pick their blocking (and so their float summation order) by the call's shape, so a token's logits
+change with the batch it shares and with prefill versus decode. Here every reduction has one fixed order:
+
+- FP4 x FP4 GEMMs run in float64 on integers. An NVFP4 element is (2 * E2M1 value) * (E4M3 scale * 2^9) * 2^-10
+  times its row's global scale, and both bracketed factors are integers; a product of two elements' integers is
+  below 2^43, so any sum of up to 1024 of them is an exact float64 integer, whatever order BLAS adds them in.
+  One rounding to float32 follows, elementwise.
+- Every other reduction (dense GEMMs, q.k, P.V, norms, softmax sums) is a halving tree over the reduced dim,
+  zero-padded to a power of two: x[:h] + x[h:], repeated. Appended zeros (masked keys) leave the result as it
+  is, so attention over a query's own keys gives the same bits whether 3 or 300 masked keys follow.
+
+Backwards are the plain float32 gradients of the same maths (straight-through for the FP4 rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trace_lightning.quant import NVFP4, decode_e2m1
+from trace_lightning.quant.blocks import split_blocks
+from trace_lightning.quant.e2m1 import E2M1_MAX
+
+EXACT_K = 1024
+"""The longest reduction whose FP4 integer products sum exactly in float64 (12 * 12 * (448 * 2^9)^2 * 1024 < 2^53);
+longer ones add exact 1024-wide partials in a fixed order."""
+TREE_CHUNK_ELEMENTS = 1 << 22
+"""Elements of the product tensor a dense tree GEMM materializes at once (16 MiB of float32)."""
+
+
+def tree_sum(x: Tensor) -> Tensor:
+    """Sum over the last dim by a halving tree, zero-padded to a power of two (appended zeros change nothing)."""
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = F.pad(x, (0, width - n))
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return x[..., 0]
+
+
+def tree_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a [M, K] @ b [N, K].T in float32, each output a tree_sum of its K products (M-chunked, row-invariant)."""
+    M, (N, K) = a.shape[0], b.shape
+    step = max(1, TREE_CHUNK_ELEMENTS // max(N * K, 1))
+    parts = [tree_sum(a[i : i + step, None, :] * b[None]) for i in range(0, M, step)]
+    return torch.cat(parts) if parts else a.new_zeros(0, N)
+
+
+def fp4_integers(q: NVFP4) -> Tensor:
+    """float64 [..., K] integers (2 * E2M1 value) * (E4M3 scale * 2^9): 2^-10 times the value before the global."""
+    values = decode_e2m1(q.codes(), checked=False).unflatten(-1, (-1, q.block_size))
+    local = (values * q.scales.float().unsqueeze(-1)).flatten(-2)  # exact: 2 x 4 significant bits
+    return local.double() * 1024.0
+
+
+def fp4_matmul(ia: Tensor, ib: Tensor, a_global: Tensor, b_global: Tensor) -> Tensor:
+    """a [M, K] @ b [N, K].T of FP4 integers (fp4_integers) with row globals a_global [M], b_global [N] -> float32
+    [M, N], rounded once per output from an exact float64 integer sum (any BLAS order gives the same bits)."""
+    K = ia.shape[-1]
+    total = ia[:, :EXACT_K] @ ib[:, :EXACT_K].T
+    for k in range(EXACT_K, K, EXACT_K):  # fixed order over exact partials
+        total = total + ia[:, k : k + EXACT_K] @ ib[:, k : k + EXACT_K].T
+    scaled = total * 2.0**-20 * a_global.double()[:, None] * b_global.double()[None, :]
+    return scaled.float()
+
+
+class _Straight(torch.autograd.Function):
+    """value forward; the gradient passes to x where `inside` (the fake-quant straight-through estimate)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, value: Tensor, inside: Tensor) -> Tensor:
+        ctx.save_for_backward(inside)
+        return value
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inside,) = ctx.saved_tensors
+        return grad * inside.to(grad.dtype), None, None
+
+
+def straight_through(x: Tensor, q: NVFP4) -> Tensor:
+    """float32 dequantized q with x's straight-through gradient (zero where x was clamped), as fake_quantize."""
+    value = q.dequantize(torch.float32)
+    if not x.requires_grad:
+        return value
+    inside = (q.scale_input(split_blocks(x.detach(), q.block_size)).abs() <= E2M1_MAX).reshape(x.shape)
+    return _Straight.apply(x, value, inside)
+
+
+class _Gemm(torch.autograd.Function):
+    """forward(a [M, K], b [N, K]) = compute(), exactly; backward: the float32 gradients of a @ b.T."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor, compute: Callable[[], Tensor]) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return compute()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        a, b = ctx.saved_tensors
+        grad_a = grad @ b if ctx.needs_input_grad[0] else None
+        grad_b = grad.T @ a if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b, None
+
+
+def dense_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., K] @ w [N, K].T in float32 with tree reductions (router, lm head, unquantized layers)."""
+    a, b = x.reshape(-1, x.shape[-1]).float(), w.float()
+    y = _Gemm.apply(a, b, lambda: tree_matmul(a.detach(), b.detach()))
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def fp4_linear(x_value: Tensor, xq: NVFP4, w_value: Tensor | None, w_ints: Tensor, w_global: Tensor) -> Tensor:
+    """The W4A4 product of activation rows xq [M, K] (values x_value) and a weight's FP4 integers w_ints [N, K] (row
+    globals w_global; values w_value for the backward, None without one) -> float32 [M, N]."""
+    compute = lambda: fp4_matmul(fp4_integers(xq), w_ints, xq.global_scale.reshape(-1), w_global)  # noqa: E731
+    if w_value is None:
+        return compute()
+    return _Gemm.apply(x_value, w_value, compute)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, rnd: Callable[[Tensor], Tensor]) -> Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) with a tree mean; rnd rounds to the compute dtype as the model does."""
+    ms = tree_sum(x * x) / x.shape[-1]
+    normed = rnd(x * (1.0 / torch.sqrt(ms + eps))[..., None])
+    return rnd(weight.float() * normed)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """q (B, T, Hq, Dh), k / v (B, S, Hkv, Dh), allowed (B, T, S) -> (B, T, Hq, Dh) float32: scores and the P V sum
+    are tree reductions and masked keys contribute exact zeros, so the result depends on the allowed keys only."""
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)  # (B, Hq, T, Dh)
+    kh = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, S, Dh)
+    vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = tree_sum(qh[:, :, :, None, :] * kh[:, :, None, :, :]) * scale  # (B, Hq, T, S)
+    mask = allowed[:, None]  # (B, 1, T, S)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    top = scores.detach().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+    e = torch.exp(scores - top).masked_fill(~mask, 0.0)
+    p = e / tree_sum(e)[..., None].clamp_min(torch.finfo(torch.float32).tiny)
+    out = tree_sum(p[:, :, :, None, :] * vh.transpose(-1, -2)[:, :, None, :, :])  # (B, Hq, T, Dh)
+    return out.transpose(1, 2)
