@@ -405,7 +405,7 @@ class PolicyModule(L.LightningModule):
     def validation_step(self, batch: list[Problem], batch_idx: int) -> None:
         env = self.trainer.datamodule.eval_env  # the held-out problems' env scores them
         for key, worker in self._eval.items():
-            rows = worker.predict_step(batch, batch_idx)
+            rows = worker.predict_step(batch, batch_idx, env=env)
             self._eval_hits[key].extend(env.score(p, row["response"]) for p, row in zip(batch, rows, strict=True))
 
     def on_validation_epoch_end(self) -> None:
