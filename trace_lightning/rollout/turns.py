@@ -130,7 +130,8 @@ def run_episodes(engine: object, prompts: Sequence[list[int]], rules: TurnRules,
     env_s = decode_s = 0.0
     forwards = 0
     start = time.perf_counter()
-    with cf.ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env") as pool:
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env")
+    try:
         logits = live.feed([list(p) for p in prompts])
         while True:
             active = [i for i, row in enumerate(rows) if row.ep.end is None and row.sampling]
@@ -150,6 +151,8 @@ def run_episodes(engine: object, prompts: Sequence[list[int]], rules: TurnRules,
             forwards += 1
             for row, fed in zip(rows, feeds, strict=True):
                 row.sampling, row.next_feed = bool(fed), [] if fed else row.next_feed
+    finally:  # a timed-out reply still running is not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
     lengths = [len(p) + len(row.ep.tokens) - 1 for p, row in zip(prompts, rows, strict=True)]
     routes = live.route_table(lengths)
     record = live.batch_record(lengths, routes)
