@@ -155,3 +155,19 @@ def test_template_variables_and_generation_stop_ids(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a token id"):
             load_tokenizer(tmp_path)
     assert CharTokenizer().stop_ids == [CharTokenizer().eos_id]
+
+
+@pytest.mark.parametrize("template", [CHATML, INST], ids=["chatml", "inst"])
+def test_env_replies_render_as_the_next_user_turn(tmp_path: Path, template: str) -> None:
+    """A multi-turn reply's ids continue the policy's turn as the template renders a conversation: the ids of
+    [user q, assistant a] + the reply equal the template's ids of [user q, assistant a, user reply] with the
+    generation prompt (ChatML: from the assistant's <|im_end|> on)."""
+    write_chat_tokenizer(tmp_path, template)
+    ours = load_tokenizer(tmp_path)
+    history = [{"role": "user", "content": "what is 3 + 4?"}, {"role": "assistant", "content": "answer"}]
+    whole = ours._render([*history, {"role": "user", "content": "lower"}], generation_prompt=True)
+    before = whole[: whole.index("answer") + len("answer")]
+    assert ours.encode(before) + ours.encode_reply("lower") == ours.encode(whole)
+    if template == CHATML:
+        assert ours.encode_reply("lower")[0] == ours.tok.token_to_id("<|im_end|>")
+    assert CharTokenizer().encode_reply("lower\n") == CharTokenizer().encode("lower\n")

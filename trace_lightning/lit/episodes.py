@@ -23,13 +23,6 @@ if TYPE_CHECKING:
     from trace_lightning.lit.worker import RolloutWorker
 
 
-def encode_reply(tokenizer: Any, text: str) -> list[int]:
-    """A reply's tokens: the tokenizer's own rendering of an env turn where it has one (a chat template's user
-    turn and the assistant's generation prompt), else the plain text."""
-    render = getattr(tokenizer, "encode_reply", None)
-    return list(render(text)) if render is not None else tokenizer.encode(text)
-
-
 def play(worker: RolloutWorker, env: MultiTurnEnv, problems: list[Problem], prompts: list[list[int]],
          seed: int | Sequence[int], greedy: bool = False, capture: Any = None) -> MultiTurnRollout:
     """One episode per prompt; prompt i plays problems[i * len(problems) // len(prompts)]."""
@@ -37,7 +30,7 @@ def play(worker: RolloutWorker, env: MultiTurnEnv, problems: list[Problem], prom
     rules = TurnRules(env.turn_stop, env.max_turn_tokens, worker.rollout_cfg.max_new_tokens)
     return run_episodes(worker.engine, prompts, rules, worker.sampling_params(seed, greedy),
                         lambda i, turns: env.reply(problems[i // per], turns), worker.decode_response,
-                        lambda text: encode_reply(worker.tokenizer, text), capture=capture,
+                        worker.tokenizer.encode_reply, capture=capture,
                         env_timeout_s=worker.rollout_cfg.env_timeout_s)
 
 

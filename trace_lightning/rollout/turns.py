@@ -137,7 +137,7 @@ def run_episodes(engine: object, prompts: Sequence[list[int]], rules: TurnRules,
             active = [i for i, row in enumerate(rows) if row.ep.end is None and row.sampling]
             if active:
                 _sample_turn_tokens(rows, active, logits, keys, params, stops, rules, decode, reply, pool)
-            env_s += _collect_replies(rows, rules, encode_reply, env_timeout_s)
+            env_s += _collect_replies(rows, rules, encode_reply, env_timeout_s, stops)
             if all(row.ep.end is not None for row in rows):
                 break
             feeds = [row.next_feed if row.ep.end is None else [] for row in rows]
@@ -191,7 +191,7 @@ def _sample_turn_tokens(rows: list[_Row], active: list[int], logits: Tensor, key
 
 
 def _collect_replies(rows: list[_Row], rules: TurnRules, encode_reply: Callable[[str], list[int]],
-                     timeout_s: float) -> float:
+                     timeout_s: float, stops: set[int]) -> float:
     """Take every reply that has come (or timed out): end the episode or queue the reply's tokens. -> the seconds
     the env spent on the replies taken (a timed-out one: the time it was given)."""
     now, spent = time.perf_counter(), 0.0
@@ -212,6 +212,8 @@ def _collect_replies(rows: list[_Row], rules: TurnRules, encode_reply: Callable[
             row.ep.reward, row.ep.end = answer.reward, "env"
             continue
         forced = encode_reply(answer.text)
+        if forced and forced[0] == row.ep.tokens[-1] in stops:  # the template's end of turn, already sampled
+            forced = forced[1:]
         if len(row.ep.tokens) + len(forced) >= rules.max_new_tokens:  # no room for another policy token
             row.ep.end = "length"
             continue
