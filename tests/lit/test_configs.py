@@ -55,7 +55,8 @@ def test_model_presets_parse(preset: Path) -> None:
     assert namespace.model.cpu_threads == 0
 
 
-@pytest.mark.parametrize(("task", "env"), [("coding", "coding"), ("multiturn", "guess_number")])
+@pytest.mark.parametrize(("task", "env"), [("coding", "coding"), ("multiturn", "guess_number"),
+                                           ("calculator", "calculator")])
 def test_task_configs_stack_on_sim_and_build_their_env(task: str, env: str) -> None:
     from trace_lightning.envs import ENVS
 

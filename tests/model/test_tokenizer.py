@@ -175,3 +175,19 @@ def test_a_configured_special_token_missing_from_the_vocabulary_is_refused(tmp_p
     with pytest.raises(ValueError, match=rf"tokenizer_config.json: {key} '<\|end\|>' is not in the vocabulary of "
                                          r"tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("template", [CHATML, INST], ids=["chatml", "inst"])
+def test_env_replies_render_as_the_next_user_turn(tmp_path: Path, template: str) -> None:
+    """A multi-turn reply's ids continue the policy's turn as the template renders a conversation: the ids of
+    [user q, assistant a] + the reply equal the template's ids of [user q, assistant a, user reply] with the
+    generation prompt (ChatML: from the assistant's <|im_end|> on)."""
+    write_chat_tokenizer(tmp_path, template)
+    ours = load_tokenizer(tmp_path)
+    history = [{"role": "user", "content": "what is 3 + 4?"}, {"role": "assistant", "content": "answer"}]
+    whole = ours._render([*history, {"role": "user", "content": "lower"}], generation_prompt=True)
+    before = whole[: whole.index("answer") + len("answer")]
+    assert ours.encode(before) + ours.encode_reply("lower") == ours.encode(whole)
+    if template == CHATML:
+        assert ours.encode_reply("lower")[0] == ours.tok.token_to_id("<|im_end|>")
+    assert CharTokenizer().encode_reply("lower\n") == CharTokenizer().encode("lower\n")

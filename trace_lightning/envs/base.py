@@ -2,7 +2,7 @@
 
 An Env is a stateless task description: it samples problems reproducibly from a seed, scores a response
 with a verifier (reward in [0, 1]), and can produce a demonstration (the target response) for a
-supervised warm start. Multi-turn tasks add `reset` / `step` (see multiturn.py).
+supervised warm start. Multi-turn tasks add `reply` (see multiturn.py).
 """
 
 from __future__ import annotations

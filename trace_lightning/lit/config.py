@@ -125,6 +125,8 @@ class RolloutConfig:
     prefill_chunk: int | None = None
     """Prefill prompts this many positions a forward (bounds the prefill's memory for long prompts; the sequences
     are the same); None: each prefill in one forward."""
+    env_timeout_s: float = 30.0
+    """Multi-turn tasks: an env reply that takes longer ends its episode (reward 0) while the others decode on."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens"):
@@ -138,6 +140,7 @@ class RolloutConfig:
         if self.prefill_chunk is not None:
             check_int("rollout.prefill_chunk", self.prefill_chunk, 1)
         check_real("rollout.temperature", self.temperature, 0.0)
+        check_real("rollout.env_timeout_s", self.env_timeout_s, 0.0, low_open=True)
         check_int("rollout.top_k", self.top_k, 0)
         check_real("rollout.top_p", self.top_p, 0.0, low_open=True, high=1.0)
         if self.group_size == 1:

@@ -434,7 +434,7 @@ class PolicyModule(L.LightningModule):
     def validation_step(self, batch: list[Problem], batch_idx: int) -> None:
         env = self.trainer.datamodule.eval_env  # the held-out problems' env scores them
         for key, worker in self._eval.items():
-            rows = worker.predict_step(batch, batch_idx)
+            rows = worker.predict_step(batch, batch_idx, env=env)
             # the batch's answers score at once, in parallel and each within the env's limit (envs/scoring.py)
             self._eval_hits[key].extend(score_responses(env, batch, [row["response"] for row in rows]).rewards)
 

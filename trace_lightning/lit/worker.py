@@ -19,9 +19,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from trace_lightning.envs import Env, Problem, score_responses
+from trace_lightning.envs import Env, MultiTurnEnv, Problem, score_responses
 from trace_lightning.lit.batch import TrainBatch, pad_sequences, place, response_targets
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
+from trace_lightning.lit.episodes import multiturn_predict, multiturn_rollout
 from trace_lightning.methods import MethodSpec
 from trace_lightning.model import Transformer
 from trace_lightning.quant import parse_format
@@ -154,7 +155,10 @@ class RolloutWorker(L.LightningModule):
     def rollout(self, env: Env, problems: list[Problem], seed: int | Sequence[int]) -> TrainBatch:
         """Sample group_size responses per problem, score them and align everything for training.
 
-        seed: one batch seed, or one seed per sequence (a data-parallel rank's share of the global batch's)."""
+        seed: one batch seed, or one seed per sequence (a data-parallel rank's share of the global batch's).
+        A multi-turn env's episodes interleave its replies (lit/episodes.py)."""
+        if isinstance(env, MultiTurnEnv):
+            return multiturn_rollout(self, env, problems, seed)
         g = self.rollout_cfg.group_size
         prompts = self.group_prompts(problems)
         capture = self.capture_spec()
@@ -221,7 +225,10 @@ class RolloutWorker(L.LightningModule):
         elapsed = time.perf_counter() - start
         batch.rollout_stats["guidance/capture_ms"], batch.rollout_stats["time/records_s"] = 1000 * elapsed, elapsed
 
-    def predict_step(self, batch: list[Problem], batch_idx: int) -> list[dict[str, Any]]:
+    def predict_step(self, batch: list[Problem], batch_idx: int, env: Env | None = None) -> list[dict[str, Any]]:
+        """Greedy responses; with a multi-turn env, greedy episodes (the response is the transcript)."""
+        if isinstance(env, MultiTurnEnv):
+            return multiturn_predict(self, env, batch, batch_idx)
         prompts = [self.encode_prompt(p) for p in batch]
         out = self.generate(prompts, seed=batch_idx, greedy=True)
         return [

@@ -32,6 +32,10 @@ class Tokenizer(Protocol):
 
     def encode_prompt(self, text: str) -> list[int]: ...
 
+    def encode_reply(self, text: str) -> list[int]:
+        """An environment's reply in a multi-turn episode: the tokens that follow the policy's turn."""
+        ...
+
     @property
     def stop_ids(self) -> list[int]:
         """The ids a response ends at: eos, and a checkpoint's other end-of-generation ids."""
@@ -62,6 +66,10 @@ class CharTokenizer:
     def encode_prompt(self, text: str) -> list[int]:
         """bos + the text."""
         return self.encode(text, bos=True)
+
+    def encode_reply(self, text: str) -> list[int]:
+        """The text as it is: a conversation without a template is plain text."""
+        return self.encode(text)
 
     @property
     def stop_ids(self) -> list[int]:
@@ -156,16 +164,35 @@ class HFTokenizer:
             return self.encode(text, bos=self.bos_id is not None)
         return self.encode(self.render_prompt(text))
 
+    def encode_reply(self, text: str) -> list[int]:
+        """An environment's reply to the policy's turn, as the chat template renders it: what the template puts
+        after an assistant message's content when a user message holding `text` and the generation prompt follow
+        (ChatML: "<|im_end|>\\n<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n"). The assistant's
+        end-of-turn token leads it; the rollout drops it where the policy already sampled it. Without a template, the
+        plain text."""
+        if self.chat_template is None:
+            return self.encode(text)
+        mark = "\x00ASSISTANT\x00"
+        history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}]
+        full = self._render([*history, {"role": "user", "content": text}], generation_prompt=True)
+        if full.count(mark) != 1:
+            raise ValueError("the chat template does not render an assistant message's content once; it cannot "
+                             "place an environment's reply")
+        return self.encode(full[full.index(mark) + len(mark):])
+
     def render_prompt(self, text: str) -> str:
         """The chat template rendered for one user message, ending where the assistant's reply begins (Hugging
         Face's own sandboxed renderer, so templates behave as in transformers)."""
+        return self._render([{"role": "user", "content": text}], generation_prompt=True)
+
+    def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         if self._chat is None:
             from transformers import PreTrainedTokenizerFast
 
             self._chat = PreTrainedTokenizerFast(tokenizer_object=self.tok, **self.specials)
         try:
-            return self._chat.apply_chat_template([{"role": "user", "content": text}], chat_template=self.chat_template,
-                                                  tokenize=False, add_generation_prompt=True, **self.template_kwargs)
+            return self._chat.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=generation_prompt, **self.template_kwargs)
         except Exception as e:  # noqa: BLE001  (jinja raises its own types, and templates call raise_exception)
             raise ValueError(f"the chat template failed on a prompt: {type(e).__name__}: {e}") from e
 

@@ -45,6 +45,7 @@ from trace_lightning.rollout.convert import (
     fp4_weight_checksums,
 )
 from trace_lightning.rollout.decode import DecodeLoop, DecodeSession, DecodeState
+from trace_lightning.rollout.live import LiveBatch
 from trace_lightning.rollout.precision import FP4Precision, resolve_precision
 from trace_lightning.rollout.sampling import sample, seed_keys, sequence_seeds
 from trace_lightning.rollout.slots import SlotLoop, SlotState
@@ -179,6 +180,12 @@ class Engine:
                      "decode_steps": float(steps), "new_tokens": float(sum(len(r) for r in out.responses)),
                      "graph_steps": float(loop.graph_steps), "capture_s": loop.capture_s, "refills": 0.0}
         return out
+
+    def open_live(self, rows: int, max_len: int, capture: CaptureSpec | None = None) -> LiveBatch:
+        """`rows` sequences whose KV cache stays live between forwards: `feed` prefills them and extends them with
+        sampled or forced tokens (an environment's reply in a multi-turn rollout) without prefilling again
+        (rollout/live.py). Eager forwards, no CUDA graph."""
+        return LiveBatch(self, rows, max_len, capture)
 
     def _decode_session(self, batch: int, length: int, max_new: int, prompt_len: int, capture: CaptureSpec | None,
                         params: SamplingParams, n_stop: int, slots: int | None = None,
