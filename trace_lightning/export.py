@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from trace_lightning.model import MoEConfig, Transformer, config_to_hf, to_hf_state_dict
-from trace_lightning.model.hf import Rule, _layer_rules, family_for, write_safetensors
+from trace_lightning.model.checkpoint_files import write_safetensors
+from trace_lightning.model.hf import Rule, _layer_rules, family_for
 from trace_lightning.model.hf_compressed import EXPORT_NOTES_FILE, GLOBAL, PACKED, SCALE
 from trace_lightning.quant import NVFP4, BlockFP4, FP4Format, parse_format
 from trace_lightning.rollout.convert import is_fp4_weight, quantize_weight
