@@ -1,7 +1,8 @@
 """`trace-rl`: the LightningCLI entry point (fit, validate, predict) with OmegaConf-style YAML.
 
-Runs land in runs/<method>/version_N so that `tensorboard --logdir runs` overlays methods; `predict` writes
-JSON lines to stdout and no run folder; a bad value or option ends in one line naming it, not a traceback.
+A fit logs to runs/<method>-<task>-<model>/version_N and a resume continues its version (lit.runs); `validate`
+and `predict` write no run folder unless asked (--log_run true), and `predict` writes JSON lines to stdout; a bad
+value or option ends in one line naming it, not a traceback.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from trace_lightning.lit.console import RLProgressBar, RunSummary, quiet_lightning
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import PolicyModule
+from trace_lightning.lit.runs import check_ckpt_path, place_fit_run, writes_run_folder
 
 DESCRIPTION = """\
 trace-rl: FP4 reinforcement learning for Mixture-of-Experts language models (TRACE).
@@ -35,7 +37,8 @@ forward rounds to the same codes, so trainer and rollout policy agree. A run is 
 """
 
 SUBCOMMAND_HELP = {
-    "fit": "Train: supervised warm start, then RL with FP4 rollouts; logs to runs/<method>/version_N.",
+    "fit": "Train: supervised warm start, then RL with FP4 rollouts; logs to runs/<method>-<task>-<model>/version_N "
+           "(a resume with --ckpt_path continues its run's version).",
     "validate": "Evaluate a checkpoint: greedy accuracy of the FP4 and the BF16 engine on held-out problems.",
     "predict": "Sample greedily from a checkpoint (--ckpt_path): one JSON line per problem on stdout.",
 }
@@ -66,6 +69,8 @@ class TraceCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 (jsonargparse parser)
         parser.link_arguments("model.seed", "data.seed")
+        parser.add_argument("--log_run", type=bool, default=False,
+                            help="validate / predict: write a run folder (TensorBoard, config.yaml) as fit does")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -73,32 +78,19 @@ class TraceCLI(LightningCLI):
         self.trainer_defaults["callbacks"] = [*bar, RunSummary()]
         if self.subcommand == "predict":
             check_predict_weights(config)
-            config.trainer.logger = False  # sampling is not a run: no runs/ folder, no config.yaml per call
+        check_ckpt_path(config)
+        if writes_run_folder(self.subcommand, config):
+            place_fit_run(config)
+        else:  # evaluating or sampling is not a run: no runs/ folder, no config.yaml per call
+            config.trainer.logger = False
             self.save_config_callback = None
-        else:
-            name_run_after_method(config)
-
-
-def _method(config: Any) -> str:
-    trace = config.model.get("trace") if hasattr(config.model, "get") else None
-    method = trace.get("method") if trace is not None and hasattr(trace, "get") else None
-    return method or "trace_compact"
-
-
-def name_run_after_method(config: Any) -> None:
-    """A RunLogger without a name logs under save_dir/<method>/ (runs/trace_compact/version_0)."""
-    logger = config.trainer.get("logger")
-    if logger is None or not hasattr(logger, "get") or "init_args" not in logger:
-        return
-    if str(logger.get("class_path", "")).endswith("RunLogger") and not logger.init_args.get("name"):
-        logger.init_args.name = _method(config)
 
 
 def check_predict_weights(config: Any) -> None:
     """Refuse to sample from randomly initialized weights."""
     if not (config.get("ckpt_path") or config.model.get("checkpoint") or config.model.get("init_from")):
         raise CLIError("predict samples from trained weights: pass --ckpt_path CKPT (a trace-rl checkpoint, e.g. "
-                       "runs/trace_compact/version_0/checkpoints/*.ckpt), or --model.checkpoint HF_FOLDER")
+                       "runs/<run>/version_0/checkpoints/last.ckpt), or --model.checkpoint HF_FOLDER")
 
 
 def main(args: list[str] | None = None, run: bool = True) -> TraceCLI:

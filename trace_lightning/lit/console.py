@@ -48,6 +48,13 @@ class RLProgressBar(RichProgressBar):
     def _get_train_description(self, current_epoch: int) -> str:
         return phase(self.trainer.lightning_module)
 
+    @property
+    def total_train_batches(self) -> int | float:
+        """max_steps: an RL run is one endless epoch whose batch count is the step, so a resumed run reads
+        "7/10" from where it left off (Lightning's own total is the steps left, which read "10/4")."""
+        max_steps = self.trainer.max_steps
+        return max_steps if max_steps is not None and max_steps > 0 else super().total_train_batches
+
     def get_metrics(self, trainer: L.Trainer, pl_module: Any) -> dict[str, Any]:
         fields = PHASE_FIELDS[phase(pl_module)]
         measured = trainer.callback_metrics
@@ -71,9 +78,11 @@ class RunSummary(L.Callback):
         self.rl_steps = 0
         self.eval_step: int | None = None
         self._start = time.perf_counter()
+        self.first_step = 0
 
     def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
         self._start = time.perf_counter()
+        self.first_step = trainer.global_step
         for line in plan_lines(trainer.global_step, trainer.max_steps, module.warmup_steps, module.method.name):
             say(line)
 
@@ -93,7 +102,11 @@ class RunSummary(L.Callback):
 
     def summary_lines(self, trainer: L.Trainer) -> list[str]:
         minutes, seconds = divmod(int(time.perf_counter() - self._start), 60)
-        lines = ["", f"run summary: {trainer.global_step} steps in {minutes} min {seconds} s"]
+        took = f"in {minutes} min {seconds} s"
+        ran = trainer.global_step - self.first_step
+        lines = ["", f"run summary: {ran} steps {took}" if not self.first_step else
+                 f"run summary: steps {self.first_step}-{trainer.global_step - 1} ({ran} steps, resumed at step "
+                 f"{self.first_step}; {trainer.global_step} in all) {took}"]
         metrics = trainer.callback_metrics
         if self.eval_step is not None and "eval/accuracy" in metrics:
             lines.append(f"  eval accuracy at step {self.eval_step}: FP4 engine {float(metrics['eval/accuracy']):.3f},"

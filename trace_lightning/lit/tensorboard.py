@@ -43,8 +43,8 @@ REFERENCE_PREFIX = "mismatch_bf16/"
 class RunLogger(TensorBoardLogger):
     """TensorBoard under save_dir/<name>/version_N without Lightning's `epoch` and `hp_metric` tags.
 
-    `trace-rl` names the run after its method (runs/trace_compact/version_0, runs/fp4_qat/version_0), so one
-    `tensorboard --logdir runs` overlays the methods. The BF16 reference (`mismatch_bf16/*`) goes to the sub-run
+    `trace-rl` names the run after its method, task and model (runs/trace_compact-arithmetic-debug-moe/version_0,
+    lit.runs), so one `tensorboard --logdir runs` overlays methods and tells runs apart. The BF16 reference (`mismatch_bf16/*`) goes to the sub-run
     version_N/bf16_reference under the `mismatch/*` tags, so every dashboard draws it on the same chart as the
     FP4 rollout's mismatch, in its own colour.
     """
@@ -54,7 +54,7 @@ class RunLogger(TensorBoardLogger):
         """
         Args:
             save_dir: Root folder of all runs.
-            name: Sub-folder of this run; None: the run's method (set by `trace-rl`).
+            name: Sub-folder of this run; None: <method>-<task>-<model> (set by `trace-rl`).
             version: Sub-sub-folder; None: the next free version_N.
         """
         super().__init__(save_dir, name=name or "", version=version, default_hp_metric=False, **kwargs)
