@@ -71,6 +71,7 @@ class TraceCLI(LightningCLI):
         parser.link_arguments("model.seed", "data.seed")
         parser.add_argument("--log_run", type=bool, default=False,
                             help="validate / predict: write a run folder (TensorBoard, config.yaml) as fit does")
+        lead_help_with_project_options(parser)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -84,6 +85,21 @@ class TraceCLI(LightningCLI):
         else:  # evaluating or sampling is not a run: no runs/ folder, no config.yaml per call
             config.trainer.logger = False
             self.save_config_callback = None
+
+
+USAGE = "%(prog)s [-c CONFIG] [--model.* ...] [--data.* ...] [--trainer.* ...] [--ckpt_path CKPT] [--print_config]"
+TRAINER_TITLE = "Lightning Trainer (--trainer.*, Lightning's own flags; conf/*.yaml sets the ones a run needs)"
+
+
+def lead_help_with_project_options(parser: Any) -> None:
+    """`trace-rl fit --help` starts with the project's options (model, trace, rollout, rl, data) and a short usage
+    line; Lightning's ~50 trainer flags come after them instead of before."""
+    trainer = [g for g in parser._action_groups if any(a.dest == "trainer" for a in g._group_actions)]
+    for group in trainer:
+        parser._action_groups.remove(group)
+        parser._action_groups.append(group)
+        group.title = TRAINER_TITLE
+    parser.usage = USAGE
 
 
 def check_predict_weights(config: Any) -> None:

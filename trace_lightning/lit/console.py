@@ -149,12 +149,15 @@ class _NoTips(logging.Filter):
 
 
 def quiet_lightning() -> None:
-    """No Lightning tips on the console (their logger also carries useful lines, so filter), and none of the two
-    warnings every run gives: the module moves its own batches on purpose, and a torch deprecation inside Lightning."""
+    """No Lightning tips on the console (their logger also carries useful lines, so filter), and none of the
+    warnings every run gives: the module moves its own batches on purpose, a torch deprecation inside Lightning, and
+    the note that a manually optimized module's checkpoint holds the state after the step (as ours should)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_NoTips())
     warnings.filterwarnings("ignore", message=r"You have overridden `transfer_batch_to_device`")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # Our manual optimization checkpoints after the optimizer step on purpose (a resume continues from there).
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
 
 
 __all__ = ["RLProgressBar", "RunSummary", "plan_lines", "quiet_lightning"]
