@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import sys
+import warnings
 from typing import Any
 
 from jsonargparse import ArgumentError, DefaultHelpFormatter, set_parsing_settings
@@ -85,6 +86,8 @@ class TraceCLI(LightningCLI):
         else:  # evaluating or sampling is not a run: no runs/ folder, no config.yaml per call
             config.trainer.logger = False
             self.save_config_callback = None
+            # the checkpoint's ModelCheckpoint state names its run folder, which this command does not write to
+            warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
 
 USAGE = "%(prog)s [-c CONFIG] [--model.* ...] [--data.* ...] [--trainer.* ...] [--ckpt_path CKPT] [--print_config]"
