@@ -71,7 +71,8 @@ def test_heatmap_shows_disagreement_with_layers_on_rows_and_sites_in_layer_order
     fig = agreement_heatmap(own, {key: 1.0 for key in own}, step=10)
     left = fig.axes[0]
     assert [t.get_text() for t in left.get_xticklabels()] == ["attn_in", "moe_in"]
-    assert [t.get_text() for t in left.get_yticklabels()] == ["layer 0", "layer 1"]
-    assert sorted(t.get_text() for t in left.texts) == ["0", "3e-02", "4e-06", "5e-01"]
+    assert [t.get_text() for t in left.get_yticklabels()] == ["L0", "L1"]
+    assert sorted(t.get_text() for t in left.texts) == ["0", "3e-2", "4e-6", "5e-1"]
+    assert sorted(t.get_text() for t in fig.axes[1].texts) == ["0", "0", "0", "0"]  # used values: all equal
     width, height = fig.get_size_inches() * fig.dpi
-    assert 800 <= width <= 1000 and height <= 1200
+    assert 300 <= width <= 400 and height <= 1600  # TensorBoard's image card width

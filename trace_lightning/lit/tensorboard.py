@@ -54,6 +54,8 @@ PER_LAYER = re.compile(r"^agreement_per_layer/(\w+)/layer(\d+)/(\w+)$")
 """agreement_per_layer/<kind>/layer<N>/<site>: written to sub-run layer_NN as agreement_per_layer/<kind>/<site>."""
 
 EVAL_TEXT_TAG = "eval/accuracy_table"
+UNSMOOTHED_URL_SUFFIX = "#custom_scalars&_smoothingWeight=0"
+"""Appended to TensorBoard's address, opens the custom scalars with smoothing off (sparse series drawn as logged)."""
 
 
 class RunLogger(TensorBoardLogger):
@@ -201,14 +203,14 @@ def discrepancy_layout(sites: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
     agreement = {
         "1 - agreement: values training used vs the rollout's, all sites": "agreement/one_minus_used_values",
         "1 - agreement: training's own codes vs the rollout's, all sites": "agreement/one_minus_own_codes",
-        "1 - route agreement (top-k expert sets)": "moe/one_minus_route_agreement",
+        "1 - route agreement (top-k expert sets; only when routes are not replayed)": "moe/one_minus_route_agreement",
     }
     for kind, what in (("used_values", "values used"), ("own_codes", "own codes")):
         agreement.update({f"{site}: 1 - agreement of {what}, one line per layer (run/layer_NN)":
                           f"agreement_per_layer/one_minus_{kind}/{site}" for site in sites})
     learning = {
-        "eval accuracy: FP4 engine (run) vs BF16 engine (run/bf16_reference); few points: set smoothing to 0, "
-        f"exact values in TEXT {EVAL_TEXT_TAG}": "eval/accuracy",
+        "eval accuracy: FP4 engine (run) vs BF16 engine (run/bf16_reference); few points: set smoothing to 0 "
+        f"({UNSMOOTHED_URL_SUFFIX}), exact values in TEXT {EVAL_TEXT_TAG}": "eval/accuracy",
         "reward": "reward/mean",
     }
     return {
@@ -234,9 +236,9 @@ HEATMAP_FLOOR = 1e-6
 
 def agreement_heatmap(own_codes: Mapping[tuple[int, str], float], used_values: Mapping[tuple[int, str], float],
                       step: int) -> Any:
-    """Two layer x site heatmaps (training's own codes, the values it used) of the fraction of elements that
-    differ from the rollout's, on a log colour scale from 1e-6 to 1: a few elements in a million are visible, and
-    the figure (about 900 px wide) reads at TensorBoard's default image size."""
+    """Two layer x site heatmaps, stacked (training's own codes, the values it used), of the fraction of elements
+    that differ from the rollout's on a log colour scale from 1e-6 to 1: a few elements in a million are visible.
+    About 360 px wide, the width of TensorBoard's image card, so it reads without "Show actual image size"."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,25 +247,28 @@ def agreement_heatmap(own_codes: Mapping[tuple[int, str], float], used_values: M
 
     layers = sorted({layer for layer, _ in own_codes})
     sites = [s for s in SITE_ORDER if any(site == s for _, site in own_codes)]
-    annotate = len(layers) <= 24
-    fig, axes = plt.subplots(1, 2, figsize=(9, min(0.32 * len(layers) + 1.6, 12)), squeeze=False,
-                             layout="constrained", dpi=100)
+    annotate = len(layers) <= 8
+    panel = 0.16 * len(layers) + 0.9
+    fig, axes = plt.subplots(2, 1, figsize=(3.6, min(2 * panel + 0.9, 16)), squeeze=False, layout="constrained",
+                             dpi=100)
     panels = (("own RNE codes \u2260 rollout's", own_codes), ("values used \u2260 rollout's", used_values))
     norm = LogNorm(vmin=HEATMAP_FLOOR, vmax=1.0)
-    for ax, (title, values) in zip(axes[0], panels, strict=True):
+    for ax, (title, values) in zip(axes[:, 0], panels, strict=True):
         grid = [[1.0 - values.get((layer, site), math.nan) for site in sites] for layer in layers]
         shown = [[max(v, HEATMAP_FLOOR) if not math.isnan(v) else math.nan for v in row] for row in grid]
         image = ax.imshow(shown, norm=norm, cmap="magma_r", aspect="auto", interpolation="nearest")
         for i, row in enumerate(grid if annotate else []):
             for j, v in enumerate(row):
                 if not math.isnan(v):
-                    ax.text(j, i, "0" if v <= 0 else f"{v:.0e}", ha="center", va="center", fontsize=7,
-                            color="white" if v > 1e-2 else "black")
-        ax.set_xticks(range(len(sites)), sites, rotation=30, ha="right", fontsize=8)
-        ax.set_yticks(range(len(layers)), [f"layer {layer}" for layer in layers], fontsize=8)
-        ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=axes[0].tolist(), label="fraction of elements that differ (1 - agreement)", shrink=0.9)
-    fig.suptitle(f"audit at step {step}: quantization disagreement with the rollout", fontsize=9)
+                    ax.text(j, i, "0" if v <= 0 else f"{v:.0e}".replace("e-0", "e-"), ha="center", va="center",
+                            fontsize=6, color="white" if v > 1e-2 else "black")
+        ax.set_xticks(range(len(sites)), sites, rotation=30, ha="right", fontsize=6.5)
+        ax.set_yticks(range(len(layers)), [f"L{layer}" for layer in layers], fontsize=6.5)
+        ax.set_title(title, fontsize=7.5)
+    bar = fig.colorbar(image, ax=axes[:, 0].tolist(), orientation="horizontal", shrink=0.9, aspect=30)
+    bar.set_label("fraction of elements that differ (1 - agreement)", fontsize=6.5)
+    bar.ax.tick_params(labelsize=6.5)
+    fig.suptitle(f"audit at step {step}", fontsize=7.5)
     plt.close(fig)
     return fig
 
