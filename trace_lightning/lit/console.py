@@ -120,8 +120,8 @@ class RunSummary(L.Callback):
         else:
             lines.append("  no RL step ran (the run ended inside the warm start)")
         if trainer.logger is not None and trainer.log_dir:
-            lines.append(f"  TensorBoard logs: {trainer.log_dir}  (tensorboard --logdir {trainer.logger.save_dir}, then "
-                         f"open http://localhost:6006/{UNSMOOTHED_URL_SUFFIX})")
+            lines.append(f"  TensorBoard logs: {trainer.log_dir}  (tensorboard --logdir {trainer.logger.save_dir}, "
+                         f"then open http://localhost:6006/{UNSMOOTHED_URL_SUFFIX})")
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
             trainer.checkpoint_callback, "best_model_path", "")
         lines.append(f"  checkpoint: {checkpoint}" if checkpoint else "  checkpoint: none saved")
