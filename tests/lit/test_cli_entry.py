@@ -87,6 +87,9 @@ def test_fit_help_explains_the_project_and_every_field(monkeypatch: pytest.Monke
     for docstring in ("Distinct prompts per step", "Guidance layer policy", "Advantage estimator",
                       "Supervised warm-start steps before RL", "Task name"):
         assert docstring in out, docstring
+    head = out[:1500]  # what `trace-rl fit --help | head` shows: the project's options, not Lightning's flags
+    assert "[--model.* ...] [--data.* ...] [--trainer.* ...]" in head and "--trainer.accelerator" not in head
+    assert out.index("--model.model") < out.index("--data.env") < out.index("--trainer.accelerator")
 
 
 @pytest.mark.slow
