@@ -62,8 +62,9 @@ def test_run_logger_writes_references_and_layers_as_sub_runs_and_evals_as_a_tabl
     assert [(e.step, round(e.value, 9)) for e in reference.Scalars("mismatch/k3_kl")] == [(3, 2e-5)]
     assert layer.Tags()["scalars"] == ["agreement_per_layer/one_minus_used_values/k"]
     assert not any(t.startswith("agreement_per_layer") for t in main.Tags()["scalars"])
-    table = main.Tensors(EVAL_TEXT_TAG + "/text_summary")[-1].tensor_proto.string_val[0].decode()
-    assert "| 4 | 0.8280 | 0.8590 |" in table and "| 8 | 0.5000 |  |" in table
+    tables = {e.step: e.tensor_proto.string_val[0].decode() for e in main.Tensors(EVAL_TEXT_TAG + "/text_summary")}
+    assert tables[4].splitlines()[0] == "| step | eval/accuracy | eval/bf16_accuracy |"
+    assert tables[4].splitlines()[-1] == "| 4 | 0.8280 | 0.8590 |" and tables[8].splitlines()[-1] == "| 8 | 0.5000 |"
 
 
 def test_heatmap_shows_disagreement_with_layers_on_rows_and_sites_in_layer_order() -> None:

@@ -78,7 +78,6 @@ class RunLogger(TensorBoardLogger):
         """
         super().__init__(save_dir, name=name or "", version=version, default_hp_metric=False, **kwargs)
         self._subruns: dict[str, Any] = {}
-        self._evals: dict[int | None, dict[str, float]] = {}
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -105,12 +104,11 @@ class RunLogger(TensorBoardLogger):
         return self.experiment is not None and hasattr(self.experiment, "add_scalar")
 
     def _log_eval_table(self, metrics: Mapping[str, float], step: int | None) -> None:
-        """Every eval so far as a markdown table (TEXT tab): exact values that no smoothing moves."""
-        self._evals[step] = {**self._evals.get(step, {}), **{k: v for k, v in metrics.items() if k.startswith("eval/")}}
-        keys = sorted({k for row in self._evals.values() for k in row})
-        lines = ["| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-        lines += [f"| {s} | " + " | ".join(f"{row[k]:.4f}" if k in row else "" for k in keys) + " |"
-                  for s, row in sorted(self._evals.items(), key=lambda item: item[0] or 0)]
+        """This eval's values as a one-row markdown table at its step (TEXT tab lists every step's, newest first,
+        across resumes too): exact values that no smoothing moves."""
+        row = {k: v for k, v in sorted(metrics.items()) if k.startswith("eval/")}
+        lines = ["| step | " + " | ".join(row) + " |", "|---" * (len(row) + 1) + "|",
+                 f"| {step} | " + " | ".join(f"{v:.4f}" for v in row.values()) + " |"]
         self.experiment.add_text(EVAL_TEXT_TAG, "\n".join(lines), step)
 
     def sub_writer(self, run: str) -> Any:
