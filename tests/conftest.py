@@ -7,12 +7,18 @@ tests/security/test_hostile_answers.py, which scores answers and never starts th
 (CI=true, where .ci/run installs bubblewrap) nothing is left out, so a missing tool fails loudly.
 """
 
+import logging
 import os
 import types
 from pathlib import Path
 
-import pytest
-import torch
+# The oracles' import-time noise, before anything imports them: torchao logs "Failed to load" for each CUDA
+# extension a CPU machine cannot load, and torch warns that torchao registers enums it no longer needs to.
+logging.getLogger("torchao").setLevel(logging.ERROR)
+logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Before anything imports triton.language (lightning, compressed-tensors and torchao all do): its standard

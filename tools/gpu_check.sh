@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# One device call: install, CUDA parity tests, kernel benchmarks, decode-step benchmark. Logs go to $OUT.
-# Usage (on the GPU machine, repo root): bash tools/gpu_check.sh [rollout layers] [sections...]
+# CUDA parity tests, kernel benchmarks, decode-step benchmark. Logs go to --out DIR (default ./gpu_out).
+# Usage (on the GPU machine, repo root): bash tools/gpu_check.sh [--out DIR] [--install] [rollout layers] [sections...]
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/_gpu_args.sh"  # --out DIR (default ./gpu_out), --install
 LAYERS=${1:-8}; shift || true
 SECTIONS=${*:-copy quant linear moe attn}
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 - <<'PY'

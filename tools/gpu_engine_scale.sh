@@ -9,12 +9,11 @@
 #   long      16K new tokens at each engine's own largest batch (Engine.max_batch), parity records of the 4 deepest
 #             layers streamed to the host (every layer's would not fit the host's memory)
 #   tail      static against continuous batching on a long-tailed length mix (64 slots)
-# Logs under $OUT. The first call of a session should be tools/gpu_fit.sh (CUDA tests included).
+# Logs under --out DIR (default ./gpu_out); --install installs this checkout first. The first call of a session should be tools/gpu_fit.sh (CUDA tests included).
 set -uo pipefail
+source "$(dirname "$0")/_gpu_args.sh"  # --out DIR (default ./gpu_out), --install
 PART=${1:-batches}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 B="python3 tools/bench_engine.py --preset qwen3-30b-a3b --device cuda --repeats 2"
 case "$PART" in
   batches)

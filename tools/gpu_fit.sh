@@ -17,21 +17,17 @@
 #      step-time breakdown of each as a table;
 #   7. (part `frontier`, not in `all`) k3_kl against record bytes/token over the layer policies (tools/mismatch_table.py
 #      --policies) on the fit's checkpoint if the machine still holds it, else after a 300-step warm start.
-# The GPU image lacks jsonargparse, omegaconf and reasoning-gym (and its needs): they travel as wheels in .whl
-# (see .whl/README in the closing notes; `run(..., carry=[".whl"])`).
-# Usage: bash tools/gpu_fit.sh [RL_STEPS] [all|tests|fit|bench|methods|frontier|long] [METHOD ...]   (default 30 RL steps after 20 warm-start steps: the
+# Needs this checkout installed (pip, editable), or --install; a machine without a package index installs the
+# wheels tools/offline_wheels.sh gathered into .whl/ with --install.
+# Usage: bash tools/gpu_fit.sh [--out DIR] [--install] [RL_STEPS] [all|tests|fit|bench|methods|frontier|long] [METHOD ...]   (default 30 RL steps after 20 warm-start steps: the
 # step-50 checkpoint conf/gpu.yaml saves is the one part 5 rolls out from)
 set -uo pipefail
+source "$(dirname "$0")/_gpu_args.sh"  # --out DIR (default ./gpu_out), --install
 RL=${1:-30}
 PART=${2:-all}  # all, or one of tests / fit / bench: shorter calls lose less when a machine is taken back
 shift $(( $# < 2 ? $# : 2 ))
 LONG_METHODS=${*:-trace_compact bf16}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >"$OUT/wheels.log" 2>&1 || { tail -5 "$OUT/wheels.log"; exit 1; }
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
   echo "## 1. CUDA tests"

@@ -2,15 +2,14 @@
 # One device call for the whole GPU story: parity tests, attention launch sweep, kernel (quantizers included) /
 # decode-step / long-rollout benchmarks (the long one with the sweep's best attention shape for that size), engine
 # check, HF peer baseline and
-# per-kernel profiles of the synthetic step and of the real engine. Logs under $OUT; a short summary on stdout.
-# Usage: bash tools/gpu_full.sh [--quick]   (the MoE / linear launch sweeps are separate: tools/sweep_moe.py, sweep_linear.py)
+# per-kernel profiles of the synthetic step and of the real engine. Logs under --out DIR (default ./gpu_out); a short summary on stdout.
+# Usage: bash tools/gpu_full.sh [--out DIR] [--install] [--quick]   (the MoE / linear launch sweeps are separate: tools/sweep_moe.py, sweep_linear.py)
 # --quick (~6 minutes instead of ~8.5, for short device windows): parity tests, decode step, RoPE and router
 # before / after, long rollouts with the default attention shape, the synthetic step's profile and the engine check.
 set -uo pipefail
+source "$(dirname "$0")/_gpu_args.sh"  # --out DIR (default ./gpu_out), --install
 QUICK=0; [ "${1:-}" = "--quick" ] && QUICK=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/pytest.log" | tail -2
 cd tools

@@ -3,16 +3,12 @@
 # has shown the one-GPU fit: the same short fit on 1 and on N GPUs with DDP (audit on), then a few FSDP2 RL steps of
 # the olmoe-1b-7b shape (random init, the rollout engine gets full weights bucket by bucket). Per run: rollout tokens/s,
 # step time, sync time, peak memory (tools/tb_summary.py). NVLink multicast stays off (KINDS.md): NCCL_NVLS_ENABLE=0.
-# Usage: bash tools/gpu_multi.sh [N_GPUS] [RL_STEPS]   (carry .whl: bash tools/gpu_wheels.sh). Written without a
+# Usage: bash tools/gpu_multi.sh [--out DIR] [--install] [N_GPUS] [RL_STEPS]. Written without a
 # multi-GPU machine to try it on: the first call is also its test.
 set -uo pipefail
+source "$(dirname "$0")/_gpu_args.sh"  # --out DIR (default ./gpu_out), --install
 N=${1:-2}; RL=${2:-10}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >"$OUT/wheels.log" 2>&1 || { tail -5 "$OUT/wheels.log"; exit 1; }
-export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader
 STEPS=$((10 + RL))
 fit() {  # fit NAME ARGS...: a short fit into runs/multi/NAME, its scalars as a table

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,10 +29,12 @@ import torch
 from torch import Tensor
 
 from trace_lightning.model import MoEConfig, Transformer, config_to_hf, to_hf_state_dict
-from trace_lightning.model.hf import Rule, _layer_rules, family_for, write_safetensors
+from trace_lightning.model.checkpoint_files import write_safetensors
+from trace_lightning.model.hf import Rule, _layer_rules, family_for
 from trace_lightning.model.hf_compressed import EXPORT_NOTES_FILE, GLOBAL, PACKED, SCALE
 from trace_lightning.quant import NVFP4, BlockFP4, FP4Format, parse_format
 from trace_lightning.rollout.convert import is_fp4_weight, quantize_weight
+from trace_lightning.serving_files import BUILTIN, write_serving_files
 
 QUANT_FORMAT = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 WEIGHT_ARGS = {  # compressed-tensors' NVFP4A16 / MXFP4A16 presets, as its QuantizationArgs serialise
@@ -43,8 +44,6 @@ WEIGHT_ARGS = {  # compressed-tensors' NVFP4A16 / MXFP4A16 presets, as its Quant
               "dynamic": False, "scale_dtype": "torch.uint8"},
 }
 DENSE_LINEAR = re.compile(r"moe\.router\.weight$|moe\.shared\.gate$")  # Linear modules in HF, dense in the engine
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 ACTIVATIONS_W4A16 = ("activations=True: our FP4 activations take a per-row dynamic global scale, which "
                      "{format} cannot express (its input_global_scale is one static value per layer); exporting "
                      "W4A16 (FP4 weights, activations left to the serving engine)")
@@ -55,8 +54,10 @@ def export_compressed(model: Transformer, out_dir: str | Path, fmt: FP4Format | 
                       max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write ``model`` (master weights) as a compressed-tensors FP4 folder that vLLM serves; return the folder.
 
-    ``fmt``: "nvfp4", "mxfp4" or "mxfp4:rceil" (the engine's format names). ``tokenizer_from``: a folder whose
-    tokenizer files are copied next to the weights. Safetensors shards hold at most ``max_shard_bytes``.
+    ``fmt``: "nvfp4", "mxfp4" or "mxfp4:rceil" (the engine's format names). ``tokenizer_from``: the checkpoint
+    folder whose tokenizer is copied next to the weights, or ``"builtin"`` for the presets' character tokenizer;
+    either way config.json and generation_config.json name its bos / eos / pad ids (``serving_files``). None
+    writes the weights and config only. Safetensors shards hold at most ``max_shard_bytes``.
     """
     weight_fmt = parse_format(fmt).for_weights()
     name = QUANT_FORMAT[weight_fmt.kind]
@@ -75,7 +76,7 @@ def export_compressed(model: Transformer, out_dir: str | Path, fmt: FP4Format | 
     notes = {"global_scales": global_scales} if weight_fmt.kind == "nvfp4" else {"mx_mode": weight_fmt.mx_mode}
     (out / EXPORT_NOTES_FILE).write_text(json.dumps(notes, indent=0) + "\n")
     if tokenizer_from is not None:
-        copy_tokenizer(Path(tokenizer_from), out)
+        write_serving_files(out, tokenizer_from, model.config.vocab_size)
     return out
 
 
@@ -168,45 +169,58 @@ def _cpu(t: Tensor) -> Tensor:
     return t.to("cpu").contiguous().clone()
 
 
-def copy_tokenizer(source: Path, out: Path) -> list[str]:
-    """Copy the tokenizer files found in ``source``; return their names."""
-    copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
-    for name in copied:
-        shutil.copy(source / name, out / name)
-    return copied
-
-
 # ---- CLI: trace-export CKPT_OR_HF_FOLDER OUT_DIR [--fmt nvfp4|mxfp4] -------------------------------------------
 
-def load_policy(source: Path) -> tuple[Transformer, Path | None, str]:
-    """(master model, folder holding its tokenizer or None, the run's FP4 format) of an HF folder or a trace-rl
-    fit checkpoint."""
+def load_policy(source: Path) -> tuple[Transformer, str | Path, str]:
+    """(master model, where its tokenizer comes from: its checkpoint folder or ``"builtin"``, the run's FP4 format)
+    of an HF folder or a trace-rl fit checkpoint."""
     from trace_lightning.model import load_hf
 
     if source.is_dir():
         return load_hf(source), source, "nvfp4"
     if not source.is_file():
-        raise FileNotFoundError(f"{source}: no such checkpoint file or HF folder")
+        raise FileNotFoundError(f"{source}: no such checkpoint file or Hugging Face folder")
     from trace_lightning.lit.policy import build_policy, load_policy_weights
 
-    hparams = torch.load(source, map_location="cpu", weights_only=True).get("hyper_parameters", {})
+    hparams = _fit_checkpoint(source).get("hyper_parameters", {})
     hf_folder = hparams.get("checkpoint")
     model, _ = build_policy(hparams.get("model", "debug-moe"), hf_folder)
     load_policy_weights(model, str(source))
-    return model, Path(hf_folder) if hf_folder else None, (hparams.get("trace") or {}).get("fmt", "nvfp4")
+    return model, Path(hf_folder) if hf_folder else BUILTIN, (hparams.get("trace") or {}).get("fmt", "nvfp4")
 
 
-def main(argv: list[str] | None = None) -> Path:
-    """Console script ``trace-export``."""
+def _fit_checkpoint(source: Path) -> dict[str, Any]:
+    """A trace-rl fit checkpoint's contents; ValueError naming the file for anything torch cannot read as one."""
+    try:
+        ckpt = torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (pickle, zip and torch each raise their own types on a bad file)
+        raise ValueError(f"{source}: not a trace-rl checkpoint ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+                         ) from e
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise ValueError(f"{source}: not a trace-rl checkpoint (no 'state_dict')")
+    return ckpt
+
+
+def export(source: Path, out_dir: Path, fmt: str | None = None) -> Path:
+    """Export a fit checkpoint or HF folder with its tokenizer; return the folder."""
+    model, tokenizer_from, run_fmt = load_policy(source)
+    return export_compressed(model, out_dir, fmt or run_fmt, tokenizer_from=tokenizer_from)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console script ``trace-export``: prints the folder it wrote (one line on stdout) and exits 0; a source it
+    cannot export is one line on stderr and exit status 2, as for a usage error."""
     parser = argparse.ArgumentParser(prog="trace-export", description="Export an FP4 policy as a compressed-tensors "
-                                     "checkpoint (nvfp4-pack-quantized / mxfp4-pack-quantized) for vLLM.")
+                                     "checkpoint (nvfp4-pack-quantized / mxfp4-pack-quantized) that vLLM serves, "
+                                     "with its tokenizer and generation config. Prints the output folder.")
     parser.add_argument("source", type=Path, help="a trace-rl fit checkpoint (.ckpt) or a Hugging Face folder")
     parser.add_argument("out_dir", type=Path, help="output folder")
     parser.add_argument("--fmt", choices=["nvfp4", "mxfp4", "mxfp4:rceil"], default=None,
                         help="FP4 format (default: the fit run's trace.fmt, nvfp4 for an HF folder)")
     args = parser.parse_args(argv)
-    model, tokenizer_from, run_fmt = load_policy(args.source)
-    out = export_compressed(model, args.out_dir, args.fmt or run_fmt, tokenizer_from=tokenizer_from)
-    print(f"wrote {out} ({QUANT_FORMAT[parse_format(args.fmt or run_fmt).kind]})")
-    return out
-
+    try:
+        out = export(args.source, args.out_dir, args.fmt)
+    except (OSError, ValueError) as e:  # CheckpointError is a ValueError
+        parser.exit(2, f"trace-export: error: {' '.join(str(e).split())}\n")
+    print(out)
+    return 0

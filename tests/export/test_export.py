@@ -342,9 +342,14 @@ def test_load_hf_refuses_a_broken_compressed_folder(exported: dict, tmp_path: Pa
 
 def test_trace_export_cli_from_a_folder_and_a_fit_checkpoint(tmp_path: Path) -> None:
     policy("qwen3", tmp_path)
-    (tmp_path / "src" / "tokenizer.json").write_text('{"version": "1.0"}')
-    out = main([str(tmp_path / "src"), str(tmp_path / "a"), "--fmt", "mxfp4"])
-    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    shutil.copy(tmp_path / "src" / "config.json", tmp_path / "weights-only.json")  # keep a copy: src gets a tokenizer
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.BPE(vocab={chr(32 + i): i for i in range(V)}, merges=[])).save(str(tmp_path / "src" /
+                                                                                         "tokenizer.json"))
+    assert main([str(tmp_path / "src"), str(tmp_path / "a"), "--fmt", "mxfp4"]) == 0
+    out = tmp_path / "a"
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "src" / "tokenizer.json").read_bytes()
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "mxfp4-pack-quantized"
     debug = Transformer(MoEConfig.from_name("debug-moe"))
     with torch.no_grad():
@@ -352,7 +357,8 @@ def test_trace_export_cli_from_a_folder_and_a_fit_checkpoint(tmp_path: Path) -> 
     ckpt = {"state_dict": {f"policy.{k}": v for k, v in debug.state_dict().items()},
             "hyper_parameters": {"model": "debug-moe", "checkpoint": None, "trace": {"fmt": "mxfp4"}}}
     torch.save(ckpt, tmp_path / "fit.ckpt")
-    out = main([str(tmp_path / "fit.ckpt"), str(tmp_path / "b")])
+    assert main([str(tmp_path / "fit.ckpt"), str(tmp_path / "b")]) == 0
+    out = tmp_path / "b"
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "mxfp4-pack-quantized"
     loaded = load_hf(out)
     assert torch.equal(loaded.tok_embeddings.weight, debug.tok_embeddings.weight)  # the checkpoint's weights

@@ -26,7 +26,7 @@ def test_fit_then_predict_from_its_checkpoint(tmp_path: Path) -> None:
     assert "steps 2-2: RL with trace_compact (1 steps)" in fit.stderr
     assert "run summary: 3 steps" in fit.stderr and "mean k3_kl over 1 RL steps" in fit.stderr
     assert "Tip:" not in fit.stderr + fit.stdout
-    (run,) = (tmp_path / "runs" / "trace_compact").glob("version_*")  # runs/<method>/version_N
+    (run,) = (tmp_path / "runs" / "trace_compact-arithmetic-debug-moe").glob("version_*")  # method-task-model
     assert list(run.glob("events.out.tfevents.*"))
     (ckpt,) = run.glob("checkpoints/*.ckpt")
 
@@ -87,6 +87,9 @@ def test_fit_help_explains_the_project_and_every_field(monkeypatch: pytest.Monke
     for docstring in ("Distinct prompts per step", "Guidance layer policy", "Advantage estimator",
                       "Supervised warm-start steps before RL", "Task name"):
         assert docstring in out, docstring
+    head = out[:1500]  # what `trace-rl fit --help | head` shows: the project's options, not Lightning's flags
+    assert "[--model.* ...] [--data.* ...] [--trainer.* ...]" in head and "--trainer.accelerator" not in head
+    assert out.index("--model.model") < out.index("--data.env") < out.index("--trainer.accelerator")
 
 
 @pytest.mark.slow

@@ -215,8 +215,10 @@ def test_fit_logs_each_metric_only_at_the_steps_it_was_measured(tmp_path: Path) 
     assert logged["train/sft_loss"] == [0, 1]  # not re-logged during RL
     assert logged["reward/mean"] == logged["mismatch/k3_kl"] == [2, 3, 4, 5]
     assert logged["reward/score_timeouts"] == logged["reward/score_errors"] == logged["time/score_s"] == [2, 3, 4, 5]
-    assert logged["agreement/own_codes"] == logged["agreement/used_values"] == [2, 4]
-    assert logged["agreement_per_layer/own_codes/layer3/moe_down"] == [2, 4]  # audit steps only
+    assert logged["agreement/one_minus_own_codes"] == logged["agreement/one_minus_used_values"] == [2, 4]
+    assert not any(tag.startswith("agreement_per_layer/") for tag in logged)  # each layer is a sub-run
+    layer = _scalars(tmp_path / "fit" / "version_0" / "layer_03")
+    assert layer["agreement_per_layer/one_minus_own_codes/moe_down"] == [2, 4]  # audit steps only
     assert "mismatch_bf16/k3_kl" not in logged
     reference = _scalars(tmp_path / "fit" / "version_0" / "bf16_reference")  # the same tags in a sub-run
     assert reference["mismatch/k3_kl"] == reference["mismatch/one_minus_ess"] == [2, 3, 4, 5]
@@ -248,8 +250,8 @@ def test_fit_through_the_triton_engine_syncs_exact_bytes_and_guides_exactly(tmp_
     assert module.worker.engine.ops.__name__ == "trace_lightning.kernels"
     acc = EventAccumulator(str(next((tmp_path / "fit" / "version_0").glob("events.out.tfevents.*"))))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("agreement/used_values")] == [(2, 1.0)]
-    assert 0.5 < acc.Scalars("agreement/own_codes")[0].value < 1.0  # unguided rounding differs: guidance works
+    assert [(e.step, e.value) for e in acc.Scalars("agreement/one_minus_used_values")] == [(2, 0.0)]
+    assert 0.0 < acc.Scalars("agreement/one_minus_own_codes")[0].value < 0.5  # unguided rounding differs
     k3 = {e.step: e.value for e in acc.Scalars("mismatch/k3_kl")}
     assert sorted(k3) == [1, 2] and max(k3.values()) < 2e-5, k3  # step 1 guided by parity, step 2 by codes
 

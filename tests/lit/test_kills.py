@@ -156,7 +156,7 @@ def test_trace_rl_fit_killed_by_sigterm_exits_143_with_a_resumable_checkpoint(tm
            "--trainer.enable_progress_bar", "false", "--data.problem_workers", str(problem_workers)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    last = runs / "trace_compact" / "version_0" / "checkpoints" / "last.ckpt"  # runs/<method>/version_N
+    last = runs / "trace_compact-arithmetic-debug-moe" / "version_0" / "checkpoints" / "last.ckpt"
     deadline = time.monotonic() + 240
     while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -1,7 +1,8 @@
 """`trace-rl`: the LightningCLI entry point (fit, validate, predict) with OmegaConf-style YAML.
 
-Runs land in runs/<method>/version_N so that `tensorboard --logdir runs` overlays methods; `predict` writes
-JSON lines to stdout and no run folder; a bad value or option ends in one line naming it, not a traceback.
+A fit logs to runs/<method>-<task>-<model>/version_N and a resume continues its version (lit.runs); `validate`
+and `predict` write no run folder unless asked (--log_run true), and `predict` writes JSON lines to stdout; a bad
+value or option ends in one line naming it, not a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import sys
+import warnings
 from typing import Any
 
 from jsonargparse import ArgumentError, DefaultHelpFormatter, set_parsing_settings
@@ -28,6 +30,7 @@ from trace_lightning.lit.cli_checks import (
 from trace_lightning.lit.console import RLProgressBar, RunSummary, quiet_lightning
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import PolicyModule
+from trace_lightning.lit.runs import check_ckpt_path, place_fit_run, writes_run_folder
 
 DESCRIPTION = """\
 trace-rl: FP4 reinforcement learning for Mixture-of-Experts language models (TRACE).
@@ -45,7 +48,8 @@ forward rounds to the same codes, so trainer and rollout policy agree. A run is 
 """
 
 SUBCOMMAND_HELP = {
-    "fit": "Train: supervised warm start, then RL with FP4 rollouts; logs to runs/<method>/version_N.",
+    "fit": "Train: supervised warm start, then RL with FP4 rollouts; logs to runs/<method>-<task>-<model>/version_N "
+           "(a resume with --ckpt_path continues its run's version).",
     "validate": "Evaluate a checkpoint: greedy accuracy of the FP4 and the BF16 engine on held-out problems.",
     "predict": "Sample greedily from a checkpoint (--ckpt_path): one JSON line per problem on stdout.",
 }
@@ -72,6 +76,9 @@ class TraceCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 (jsonargparse parser)
         parser.link_arguments("model.seed", "data.seed")
+        parser.add_argument("--log_run", type=bool, default=False,
+                            help="validate / predict: write a run folder (TensorBoard, config.yaml) as fit does")
+        lead_help_with_project_options(parser)
 
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 (jsonargparse parser, Lightning's ArgsType)
         self.argv = list(args) if isinstance(args, list | tuple) else sys.argv[1:] if args is None else []
@@ -115,32 +122,36 @@ class TraceCLI(LightningCLI):
         self.trainer_defaults["callbacks"] = [*bar, RunSummary()]
         if self.subcommand == "predict":
             check_predict_weights(config)
-            config.trainer.logger = False  # sampling is not a run: no runs/ folder, no config.yaml per call
+        check_ckpt_path(config)
+        if writes_run_folder(self.subcommand, config):
+            place_fit_run(config)
+        else:  # evaluating or sampling is not a run: no runs/ folder, no config.yaml per call
+            config.trainer.logger = False
             self.save_config_callback = None
-        else:
-            name_run_after_method(config)
+            # the checkpoint's ModelCheckpoint state names its run folder, which this command does not write to
+            warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 
 
-def _method(config: Any) -> str:
-    trace = config.model.get("trace") if hasattr(config.model, "get") else None
-    method = trace.get("method") if trace is not None and hasattr(trace, "get") else None
-    return method or "trace_compact"
+USAGE = "%(prog)s [-c CONFIG] [--model.* ...] [--data.* ...] [--trainer.* ...] [--ckpt_path CKPT] [--print_config]"
+TRAINER_TITLE = "Lightning Trainer (--trainer.*, Lightning's own flags; conf/*.yaml sets the ones a run needs)"
 
 
-def name_run_after_method(config: Any) -> None:
-    """A RunLogger without a name logs under save_dir/<method>/ (runs/trace_compact/version_0)."""
-    logger = config.trainer.get("logger")
-    if logger is None or not hasattr(logger, "get") or "init_args" not in logger:
-        return
-    if str(logger.get("class_path", "")).endswith("RunLogger") and not logger.init_args.get("name"):
-        logger.init_args.name = _method(config)
+def lead_help_with_project_options(parser: Any) -> None:
+    """`trace-rl fit --help` starts with the project's options (model, trace, rollout, rl, data) and a short usage
+    line; Lightning's ~50 trainer flags come after them instead of before."""
+    trainer = [g for g in parser._action_groups if any(a.dest == "trainer" for a in g._group_actions)]
+    for group in trainer:
+        parser._action_groups.remove(group)
+        parser._action_groups.append(group)
+        group.title = TRAINER_TITLE
+    parser.usage = USAGE
 
 
 def check_predict_weights(config: Any) -> None:
     """Refuse to sample from randomly initialized weights."""
     if not (config.get("ckpt_path") or config.model.get("checkpoint") or config.model.get("init_from")):
         raise CLIError("predict samples from trained weights: pass --ckpt_path CKPT (a trace-rl checkpoint, e.g. "
-                       "runs/trace_compact/version_0/checkpoints/*.ckpt), or --model.checkpoint HF_FOLDER")
+                       "runs/<run>/version_0/checkpoints/last.ckpt), or --model.checkpoint HF_FOLDER")
 
 
 def main(args: list[str] | None = None, run: bool = True) -> TraceCLI:

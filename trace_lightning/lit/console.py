@@ -18,6 +18,7 @@ import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
 from trace_lightning.lit.batch import TrainBatch
+from trace_lightning.lit.tensorboard import UNSMOOTHED_URL_SUFFIX
 from trace_lightning.rl import MismatchMetric
 
 PHASE_FIELDS = {
@@ -48,6 +49,13 @@ class RLProgressBar(RichProgressBar):
     def _get_train_description(self, current_epoch: int) -> str:
         return phase(self.trainer.lightning_module)
 
+    @property
+    def total_train_batches(self) -> int | float:
+        """max_steps: an RL run is one endless epoch whose batch count is the step, so a resumed run reads
+        "7/10" from where it left off (Lightning's own total is the steps left, which read "10/4")."""
+        max_steps = self.trainer.max_steps
+        return max_steps if max_steps is not None and max_steps > 0 else super().total_train_batches
+
     def get_metrics(self, trainer: L.Trainer, pl_module: Any) -> dict[str, Any]:
         fields = PHASE_FIELDS[phase(pl_module)]
         measured = trainer.callback_metrics
@@ -71,9 +79,11 @@ class RunSummary(L.Callback):
         self.rl_steps = 0
         self.eval_step: int | None = None
         self._start = time.perf_counter()
+        self.first_step = 0
 
     def on_train_start(self, trainer: L.Trainer, module: Any) -> None:
         self._start = time.perf_counter()
+        self.first_step = trainer.global_step
         for line in plan_lines(trainer.global_step, trainer.max_steps, module.warmup_steps, module.method.name):
             say(line)
 
@@ -93,7 +103,11 @@ class RunSummary(L.Callback):
 
     def summary_lines(self, trainer: L.Trainer) -> list[str]:
         minutes, seconds = divmod(int(time.perf_counter() - self._start), 60)
-        lines = ["", f"run summary: {trainer.global_step} steps in {minutes} min {seconds} s"]
+        took = f"in {minutes} min {seconds} s"
+        ran = trainer.global_step - self.first_step
+        lines = ["", f"run summary: {ran} steps {took}" if not self.first_step else
+                 f"run summary: steps {self.first_step}-{trainer.global_step - 1} ({ran} steps, resumed at step "
+                 f"{self.first_step}; {trainer.global_step} in all) {took}"]
         metrics = trainer.callback_metrics
         if self.eval_step is not None and "eval/accuracy" in metrics:
             lines.append(f"  eval accuracy at step {self.eval_step}: FP4 engine {float(metrics['eval/accuracy']):.3f},"
@@ -106,7 +120,8 @@ class RunSummary(L.Callback):
         else:
             lines.append("  no RL step ran (the run ended inside the warm start)")
         if trainer.logger is not None and trainer.log_dir:
-            lines.append(f"  TensorBoard logs: {trainer.log_dir}  (tensorboard --logdir {trainer.logger.save_dir})")
+            lines.append(f"  TensorBoard logs: {trainer.log_dir}  (tensorboard --logdir {trainer.logger.save_dir}, "
+                         f"then open http://localhost:6006/{UNSMOOTHED_URL_SUFFIX})")
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
             trainer.checkpoint_callback, "best_model_path", "")
         lines.append(f"  checkpoint: {checkpoint}" if checkpoint else "  checkpoint: none saved")
@@ -136,12 +151,15 @@ class _NoTips(logging.Filter):
 
 
 def quiet_lightning() -> None:
-    """No Lightning tips on the console (their logger also carries useful lines, so filter), and none of the two
-    warnings every run gives: the module moves its own batches on purpose, and a torch deprecation inside Lightning."""
+    """No Lightning tips on the console (their logger also carries useful lines, so filter), and none of the
+    warnings every run gives: the module moves its own batches on purpose, a torch deprecation inside Lightning, and
+    the note that a manually optimized module's checkpoint holds the state after the step (as ours should)."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_NoTips())
     warnings.filterwarnings("ignore", message=r"You have overridden `transfer_batch_to_device`")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    # Our manual optimization checkpoints after the optimizer step on purpose (a resume continues from there).
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
 
 
 __all__ = ["RLProgressBar", "RunSummary", "plan_lines", "quiet_lightning"]

@@ -5,15 +5,20 @@ endless epoch, so a value measured once (an audit, the warm start's loss) would 
 every later step. Training metrics therefore go to TensorBoard through `log_measured`, at the step they were
 measured and only then; Lightning's own path keeps them for the progress bar and callbacks (`logger=False`).
 
-Ratios that live near 1 (ess, is_ratio, token_mult_prob_error) are drawn as their distance from 1, whose
-axis reads 1e-3 instead of "1 1 1 1". The custom-scalars layout puts each discrepancy on one chart next to
-its BF16 reference and each site's per-layer agreements on one chart; the heatmap shows layer x site
-agreement at audit steps.
+Ratios that live near 1 (ess, is_ratio, token_mult_prob_error) and the agreements (fractions of elements, of
+routes equal to the rollout's) are drawn as their distance from 1, whose axis reads 4e-6 instead of "1 1 1 1",
+so a change of a few elements in a million is a small bump, not a cliff. TensorBoard colours a chart's lines by
+run, not by tag, so whatever a chart compares is a run of its own: the BF16 reference (``bf16_reference``) and
+each layer (``layer_NN``) are sub-runs under the main run's tags. The custom-scalars layout then draws each
+discrepancy next to its BF16 reference, FP4 eval accuracy next to the BF16 engine's, and one line per layer.
+Eval accuracy, a handful of points that TensorBoard's default smoothing would pull far from the last value, is
+also written as a table (TEXT tab). The heatmap shows layer x site disagreement at audit steps on a log scale.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,17 +41,31 @@ NEAR_ONE = {
 """Ratios near 1 -> (TensorBoard tag, sign): the tag holds sign * (value - 1)."""
 
 
+AGREEMENTS = re.compile(r"^(agreement|agreement_per_layer)/(\w+)(/.*)?$|^moe/(route_agreement)$")
+"""Fractions near 1 drawn as 1 - value: agreement/X -> agreement/one_minus_X (and per layer, and routes)."""
+
 REFERENCE_PREFIX = "mismatch_bf16/"
 """Metrics of the BF16 reference; RunLogger writes them as `mismatch/*` of a sub-run `bf16_reference`."""
+
+REFERENCE_EVAL = {"eval/bf16_accuracy": "eval/accuracy"}
+"""The BF16 engine's eval accuracy, also written to the bf16_reference sub-run as `eval/accuracy`."""
+
+PER_LAYER = re.compile(r"^agreement_per_layer/(\w+)/layer(\d+)/(\w+)$")
+"""agreement_per_layer/<kind>/layer<N>/<site>: written to sub-run layer_NN as agreement_per_layer/<kind>/<site>."""
+
+EVAL_TEXT_TAG = "eval/accuracy_table"
+UNSMOOTHED_URL_SUFFIX = "#custom_scalars&_smoothingWeight=0"
+"""Appended to TensorBoard's address, opens the custom scalars with smoothing off (sparse series drawn as logged)."""
 
 
 class RunLogger(TensorBoardLogger):
     """TensorBoard under save_dir/<name>/version_N without Lightning's `epoch` and `hp_metric` tags.
 
-    `trace-rl` names the run after its method (runs/trace_compact/version_0, runs/fp4_qat/version_0), so one
-    `tensorboard --logdir runs` overlays the methods. The BF16 reference (`mismatch_bf16/*`) goes to the sub-run
-    version_N/bf16_reference under the `mismatch/*` tags, so every dashboard draws it on the same chart as the
-    FP4 rollout's mismatch, in its own colour.
+    `trace-rl` names the run after its method, task and model (runs/trace_compact-arithmetic-debug-moe/version_0,
+    lit.runs), so one `tensorboard --logdir runs` overlays methods and tells runs apart. The BF16 reference
+    (`mismatch_bf16/*`, and `eval/bf16_accuracy` as `eval/accuracy`) goes to the sub-run version_N/bf16_reference
+    under the FP4 rollout's tags, and each layer's agreements to version_N/layer_NN, so every chart draws them
+    beside the run, each in its own colour.
     """
 
     def __init__(self, save_dir: str = "runs", name: str | None = None, version: int | str | None = None,
@@ -54,39 +73,63 @@ class RunLogger(TensorBoardLogger):
         """
         Args:
             save_dir: Root folder of all runs.
-            name: Sub-folder of this run; None: the run's method (set by `trace-rl`).
+            name: Sub-folder of this run; None: <method>-<task>-<model> (set by `trace-rl`).
             version: Sub-sub-folder; None: the next free version_N.
         """
         super().__init__(save_dir, name=name or "", version=version, default_hp_metric=False, **kwargs)
-        self._reference: Any = None
+        self._subruns: dict[str, Any] = {}
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         reference = {"mismatch/" + k.removeprefix(REFERENCE_PREFIX): v for k, v in metrics.items()
                      if k.startswith(REFERENCE_PREFIX)}
-        own = {k: v for k, v in metrics.items() if k != "epoch" and not k.startswith(REFERENCE_PREFIX)}
+        reference.update({REFERENCE_EVAL[k]: v for k, v in metrics.items() if k in REFERENCE_EVAL})
+        layers: dict[str, dict[str, float]] = {}
+        for key, value in metrics.items():
+            if match := PER_LAYER.match(key):
+                kind, layer, site = match.groups()
+                layers.setdefault(f"layer_{int(layer):02d}", {})[f"agreement_per_layer/{kind}/{site}"] = value
+        own = {k: v for k, v in metrics.items() if k != "epoch" and not k.startswith(REFERENCE_PREFIX)
+               and not PER_LAYER.match(k)}
         super().log_metrics(own, step)
-        if reference and self._writes():
-            for tag, value in reference.items():
-                self.reference_writer().add_scalar(tag, value, step)
+        if not self._writes():
+            return
+        for run, scalars in ([("bf16_reference", reference)] if reference else []) + sorted(layers.items()):
+            for tag, value in scalars.items():
+                self.sub_writer(run).add_scalar(tag, value, step)
+        if any(k.startswith("eval/") for k in own):
+            self._log_eval_table(own, step)
 
     def _writes(self) -> bool:
         return self.experiment is not None and hasattr(self.experiment, "add_scalar")
 
+    def _log_eval_table(self, metrics: Mapping[str, float], step: int | None) -> None:
+        """This eval's values as a one-row markdown table at its step (TEXT tab lists every step's, newest first,
+        across resumes too): exact values that no smoothing moves."""
+        row = {k: v for k, v in sorted(metrics.items()) if k.startswith("eval/")}
+        lines = ["| step | " + " | ".join(row) + " |", "|---" * (len(row) + 1) + "|",
+                 f"| {step} | " + " | ".join(f"{v:.4f}" for v in row.values()) + " |"]
+        self.experiment.add_text(EVAL_TEXT_TAG, "\n".join(lines), step)
+
+    def sub_writer(self, run: str) -> Any:
+        """The SummaryWriter of sub-run ``run`` (bf16_reference, layer_NN), made on first use."""
+        if run not in self._subruns:
+            self._subruns[run] = type(self.experiment)(log_dir=f"{self.log_dir}/{run}")
+        return self._subruns[run]
+
     def reference_writer(self) -> Any:
-        """The SummaryWriter of the bf16_reference sub-run, made on first use."""
-        if self._reference is None:
-            self._reference = type(self.experiment)(log_dir=f"{self.log_dir}/bf16_reference")
-        return self._reference
+        """The SummaryWriter of the bf16_reference sub-run."""
+        return self.sub_writer("bf16_reference")
 
     def finalize(self, status: str) -> None:
         super().finalize(status)
-        if self._reference is not None:
-            self._reference.close()
+        for writer in self._subruns.values():
+            writer.close()
 
 
 def tensorboard_tags(metrics: Mapping[str, float | Tensor]) -> dict[str, float]:
-    """Floats under their TensorBoard tags (mismatch ratios near 1 as their distance from 1), NaNs left out."""
+    """Floats under their TensorBoard tags (mismatch ratios and agreements near 1 as their distance from 1), NaNs
+    left out."""
     out = {}
     for key, value in metrics.items():
         x = float(value)
@@ -96,6 +139,9 @@ def tensorboard_tags(metrics: Mapping[str, float | Tensor]) -> dict[str, float]:
         if family in ("mismatch", "mismatch_bf16") and name in NEAR_ONE:
             tag, sign = NEAR_ONE[name]
             out[f"{family}/{tag}"] = sign * (x - 1.0)
+        elif match := AGREEMENTS.match(key):
+            group, kind, rest, route = match.groups()
+            out[f"moe/one_minus_{route}" if route else f"{group}/one_minus_{kind}{rest or ''}"] = 1.0 - x
         else:
             out[key] = x
     return out
@@ -142,32 +188,34 @@ def log_measured(module: L.LightningModule, metrics: Mapping[str, float | Tensor
 
 
 def discrepancy_layout(sites: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars layout (TensorBoard's CUSTOM SCALARS tab): one multi-line chart per question."""
-    # The BF16 reference is the run's bf16_reference sub-run under the same tags (RunLogger), so each chart
-    # draws the FP4 rollout's mismatch and the reference in two colours.
+    """The custom-scalars layout (TensorBoard's CUSTOM SCALARS tab): one chart per question, one tag per chart, so
+    each line is a run (the run, its bf16_reference, its layer_NN sub-runs) in a colour of its own."""
     mismatch = {
-        "k3_kl: FP4 rollout vs training (run) and BF16 rollout (run/bf16_reference)": ["mismatch/k3_kl$"],
-        "|logprob difference| per token": ["mismatch/logprob_abs_diff$"],
-        "token_mult_prob_error - 1": ["mismatch/token_mult_prob_error_minus_one$"],
-        "1 - ess (effective sample size lost)": ["mismatch/one_minus_ess$"],
-        "importance ratio extremes (max - 1, 1 - min)": ["mismatch/is_ratio_max_minus_one$",
-                                                          "mismatch/one_minus_is_ratio_min$"],
+        "k3_kl: FP4 rollout vs training (run) and BF16 rollout (run/bf16_reference)": "mismatch/k3_kl",
+        "|logprob difference| per token (run; run/bf16_reference)": "mismatch/logprob_abs_diff",
+        "token_mult_prob_error - 1 (run; run/bf16_reference)": "mismatch/token_mult_prob_error_minus_one",
+        "1 - ess, effective sample size lost (run; run/bf16_reference)": "mismatch/one_minus_ess",
+        "importance ratio max - 1": "mismatch/is_ratio_max_minus_one",
+        "1 - importance ratio min": "mismatch/one_minus_is_ratio_min",
     }
     agreement = {
-        f"{site}: per layer, own codes and used values = rollout's": [
-            rf"agreement_per_layer/own_codes/layer\d+/{site}$", rf"agreement_per_layer/used_values/layer\d+/{site}$"]
-        for site in sites
+        "1 - agreement: values training used vs the rollout's, all sites": "agreement/one_minus_used_values",
+        "1 - agreement: training's own codes vs the rollout's, all sites": "agreement/one_minus_own_codes",
+        "1 - route agreement (top-k expert sets; only when routes are not replayed)": "moe/one_minus_route_agreement",
     }
-    agreement["all sites: own codes, used values, routes"] = [
-        "agreement/own_codes$", "agreement/used_values$", "moe/route_agreement$"]
+    for kind, what in (("used_values", "values used"), ("own_codes", "own codes")):
+        agreement.update({f"{site}: 1 - agreement of {what}, one line per layer (run/layer_NN)":
+                          f"agreement_per_layer/one_minus_{kind}/{site}" for site in sites})
     learning = {
-        "reward": ["reward/mean$"],
-        "eval accuracy: FP4 engine vs BF16 engine": ["eval/accuracy$", "eval/bf16_accuracy$", "eval/ptq_accuracy$"],
+        "eval accuracy: FP4 engine (run) vs BF16 engine (run/bf16_reference); few points: set smoothing to 0 "
+        f"({UNSMOOTHED_URL_SUFFIX}), exact values in TEXT {EVAL_TEXT_TAG}": "eval/accuracy",
+        "reward": "reward/mean",
     }
     return {
-        "1 train-rollout mismatch": {title: ["Multiline", tags] for title, tags in mismatch.items()},
-        "2 quantization agreement (audit steps)": {title: ["Multiline", tags] for title, tags in agreement.items()},
-        "3 learning": {title: ["Multiline", tags] for title, tags in learning.items()},
+        "1 train-rollout mismatch": {title: ["Multiline", [f"^{re.escape(tag)}$"]] for title, tag in mismatch.items()},
+        "2 quantization disagreement (audit steps)": {title: ["Multiline", [f"^{re.escape(tag)}$"]]
+                                                       for title, tag in agreement.items()},
+        "3 learning": {title: ["Multiline", [f"^{re.escape(tag)}$"]] for title, tag in learning.items()},
     }
 
 
@@ -180,31 +228,45 @@ def write_layout(trainer: L.Trainer, sites: Iterable[str]) -> None:
             experiment.add_custom_scalars(layout)
 
 
+HEATMAP_FLOOR = 1e-6
+"""Disagreements below this (and exact agreement) take the scale's lowest colour and read "0" or their value."""
+
+
 def agreement_heatmap(own_codes: Mapping[tuple[int, str], float], used_values: Mapping[tuple[int, str], float],
                       step: int) -> Any:
-    """Two layer x site heatmaps (training's own codes, the values it used) of the fraction equal to the rollout's."""
+    """Two layer x site heatmaps, stacked (training's own codes, the values it used), of the fraction of elements
+    that differ from the rollout's on a log colour scale from 1e-6 to 1: a few elements in a million are visible.
+    About 360 px wide, the width of TensorBoard's image card, so it reads without "Show actual image size"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
 
     layers = sorted({layer for layer, _ in own_codes})
     sites = [s for s in SITE_ORDER if any(site == s for _, site in own_codes)]
-    fig, axes = plt.subplots(1, 2, figsize=(2.4 * len(sites) + 2, 0.6 * len(layers) + 2), squeeze=False,
-                             layout="constrained")
-    panels = (("training's own RNE codes = rollout's", own_codes), ("values training used = rollout's", used_values))
-    for ax, (title, values) in zip(axes[0], panels, strict=True):
-        grid = [[100 * values.get((layer, site), math.nan) for site in sites] for layer in layers]
-        image = ax.imshow(grid, vmin=90, vmax=100, cmap="RdYlGn", aspect="auto")
-        for i, row in enumerate(grid):
+    annotate = len(layers) <= 8
+    panel = 0.16 * len(layers) + 0.9
+    fig, axes = plt.subplots(2, 1, figsize=(3.6, min(2 * panel + 0.9, 16)), squeeze=False, layout="constrained",
+                             dpi=100)
+    panels = (("own RNE codes \u2260 rollout's", own_codes), ("values used \u2260 rollout's", used_values))
+    norm = LogNorm(vmin=HEATMAP_FLOOR, vmax=1.0)
+    for ax, (title, values) in zip(axes[:, 0], panels, strict=True):
+        grid = [[1.0 - values.get((layer, site), math.nan) for site in sites] for layer in layers]
+        shown = [[max(v, HEATMAP_FLOOR) if not math.isnan(v) else math.nan for v in row] for row in grid]
+        image = ax.imshow(shown, norm=norm, cmap="magma_r", aspect="auto", interpolation="nearest")
+        for i, row in enumerate(grid if annotate else []):
             for j, v in enumerate(row):
                 if not math.isnan(v):
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
-        ax.set_xticks(range(len(sites)), sites, rotation=30)
-        ax.set_yticks(range(len(layers)), [f"layer {layer}" for layer in layers])
-        ax.set_title(title, fontsize=9)
-    fig.colorbar(image, ax=axes[0].tolist(), label="% of elements equal (colour from 90)", shrink=0.9)
-    fig.suptitle(f"audit at step {step}", fontsize=9)
+                    ax.text(j, i, "0" if v <= 0 else f"{v:.0e}".replace("e-0", "e-"), ha="center", va="center",
+                            fontsize=6, color="white" if v > 1e-2 else "black")
+        ax.set_xticks(range(len(sites)), sites, rotation=30, ha="right", fontsize=6.5)
+        ax.set_yticks(range(len(layers)), [f"L{layer}" for layer in layers], fontsize=6.5)
+        ax.set_title(title, fontsize=7.5)
+    bar = fig.colorbar(image, ax=axes[:, 0].tolist(), orientation="horizontal", shrink=0.9, aspect=30)
+    bar.set_label("fraction of elements that differ (1 - agreement)", fontsize=6.5)
+    bar.ax.tick_params(labelsize=6.5)
+    fig.suptitle(f"audit at step {step}", fontsize=7.5)
     plt.close(fig)
     return fig
 

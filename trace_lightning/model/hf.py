@@ -11,28 +11,26 @@ a half-loaded model behind.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
+from trace_lightning.model.checkpoint_files import (
+    CheckpointError,
+    SafetensorsReader,
+    read_json_file,
+    write_safetensors,
+)
 from trace_lightning.model.config import MoEConfig
 from trace_lightning.model.hf_compressed import boundary_layers, dequantizing_reader
 from trace_lightning.model.model import Transformer
 
 FromHF = Callable[[list[Tensor], MoEConfig], Tensor]
 ToHF = Callable[[Tensor, MoEConfig], list[Tensor]]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be converted; the message names the file or tensor at fault."""
 
 
 # ---- transforms: from_hf merges HF tensors into one of ours, to_hf splits it back ------------------------------
@@ -214,26 +212,6 @@ def family_for(architecture: str) -> Family:
 
 # ---- config ------------------------------------------------------------------------------------------------------
 
-MAX_JSON_BYTES = 64 * 2**20
-"""Larger config / index / tokenizer-config files are refused unread (real ones are kilobytes to megabytes)."""
-
-
-def read_json_file(file: Path, what: str, error: type[ValueError] = ValueError) -> dict[str, Any]:
-    """A JSON object from a regular file of sane size; ``error`` naming the file otherwise (a FIFO, /dev/zero,
-    a directory, malformed JSON or a non-object are all refused before or instead of a raw exception)."""
-    if not file.is_file():
-        raise error(f"missing {what}: {file} is not a regular file")
-    if file.stat().st_size > MAX_JSON_BYTES:
-        raise error(f"{file}: {file.stat().st_size} bytes is too large for a {what} (limit {MAX_JSON_BYTES})")
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise error(f"cannot read {file}: {e}") from e
-    if not isinstance(raw, dict):
-        raise error(f"{file}: a {what} must be a JSON object, got {type(raw).__name__}")
-    return raw
-
-
 def _read_config_json(path: Path) -> dict[str, Any]:
     file = path / "config.json"
     if not file.exists():
@@ -313,70 +291,6 @@ def config_to_hf(config: MoEConfig, dtype: torch.dtype = torch.float32) -> Any:
 
 # ---- reading -----------------------------------------------------------------------------------------------------
 
-class _SafetensorsReader:
-    """Key -> tensor over one ``model.safetensors`` or the shards of ``model.safetensors.index.json``."""
-
-    def __init__(self, path: Path) -> None:
-        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
-        if index.exists():
-            weight_map = _weight_map(index)
-            files = {name: path / name for name in sorted(set(weight_map.values()))}
-        elif single.is_file():
-            files = {single.name: single}
-            weight_map = {}
-        else:
-            raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
-        self.handles: dict[str, Any] = {}
-        for name, file in files.items():
-            if not file.is_file():
-                raise CheckpointError(f"missing shard {file} (listed in {index.name})")
-            try:
-                self.handles[name] = safe_open(str(file), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"cannot read {file}: {e}") from e
-        if not weight_map:
-            weight_map = {key: single.name for key in self.handles[single.name].keys()}
-        self.weight_map = weight_map
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.weight_map
-
-    def keys(self) -> set[str]:
-        return set(self.weight_map)
-
-    def num_elements(self) -> int:
-        """Elements of every listed tensor, from the headers alone (nothing is read)."""
-        total = 0
-        for key, file in self.weight_map.items():
-            try:
-                total += math.prod(self.handles[file].get_slice(key).get_shape())
-            except Exception as e:  # safetensors raises its own error types for a key missing from a shard
-                raise CheckpointError(f"cannot read tensor {key!r} from {file}: {e}") from e
-        return total
-
-    def get(self, key: str) -> Tensor:
-        if key not in self.weight_map:
-            raise CheckpointError(f"missing tensor {key!r} in the checkpoint")
-        file = self.weight_map[key]
-        try:
-            return self.handles[file].get_tensor(key)
-        except Exception as e:
-            raise CheckpointError(f"cannot read tensor {key!r} from {file}: {e}") from e
-
-
-def _weight_map(index: Path) -> dict[str, str]:
-    """The index's {tensor: shard file}; shards must be plain relative names inside the checkpoint folder."""
-    weight_map = read_json_file(index, "safetensors index", CheckpointError).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in weight_map.items()):
-        raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name")
-    for name in set(weight_map.values()):
-        parts = Path(name).parts
-        if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
-            raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint folder")
-    return weight_map
-
-
 def _layer_rules(family: Family, c: MoEConfig) -> Iterator[tuple[int, Rule]]:
     """(layer, rule) for the non-expert rules; layer -1 marks a global tensor."""
     for rule in family.rules:
@@ -390,7 +304,7 @@ def _expected_shapes(c: MoEConfig) -> dict[str, torch.Size]:
         return {k: v.shape for k, v in Transformer(c).state_dict().items()}
 
 
-def _convert(rule: Rule, layer: int, reader: _SafetensorsReader, c: MoEConfig,
+def _convert(rule: Rule, layer: int, reader: SafetensorsReader, c: MoEConfig,
              expected: dict[str, torch.Size]) -> tuple[str, Tensor, list[str]]:
     """Read and shape-check a rule's HF tensors, return (our key, tensor, HF keys used)."""
     ours = rule.ours.format(i=layer)
@@ -417,7 +331,7 @@ def _check_values(key: str, t: Tensor) -> None:
                               f"values (dtype {t.dtype})")
 
 
-def _check_declared_size(path: Path, reader: _SafetensorsReader, c: MoEConfig) -> None:
+def _check_declared_size(path: Path, reader: SafetensorsReader, c: MoEConfig) -> None:
     """Refuse a config that declares far more parameters than the files hold before building even a meta model
     (10^6 layers or 10^9 experts would otherwise allocate module trees and key lists for a minute). A few
     missing tensors pass here and are named one by one by the per-tensor checks."""
@@ -427,7 +341,7 @@ def _check_declared_size(path: Path, reader: _SafetensorsReader, c: MoEConfig) -
                               f"layers, {c.n_experts} experts) but the safetensors in {path} hold {held:,}")
 
 
-def _pick_layout(family: Family, reader: _SafetensorsReader, c: MoEConfig, layer: int) -> tuple[Rule, ...]:
+def _pick_layout(family: Family, reader: SafetensorsReader, c: MoEConfig, layer: int) -> tuple[Rule, ...]:
     for layout in family.layouts:
         if all(k in reader for rule in layout for k in rule.hf_keys(c, layer)):
             return layout
@@ -439,7 +353,7 @@ def load_hf_state_dict(path: str | Path, config: MoEConfig, dtype: torch.dtype =
     """Our complete, validated state dict from a checkpoint folder (raises ``CheckpointError`` on any problem)."""
     path = Path(path)
     family = family_for(config.hf_architecture)
-    raw = _SafetensorsReader(path)
+    raw = SafetensorsReader(path)
     _check_declared_size(path, raw, config)  # counts stored elements: FP4 exports hold about half per weight
     reader = dequantizing_reader(raw, path)  # FP4 Linears read as dense weights
     expected = _expected_shapes(config)
@@ -515,27 +429,3 @@ def save_hf(model: Transformer, path: str | Path, max_shard_bytes: int = 5 * 2**
     path.mkdir(parents=True, exist_ok=True)
     config_to_hf(model.config, model.norm.weight.dtype).save_pretrained(str(path))
     write_safetensors(to_hf_state_dict(model), path, max_shard_bytes)
-
-
-def write_safetensors(tensors: dict[str, Tensor], path: Path, max_shard_bytes: int = 5 * 2**30) -> None:
-    """``model.safetensors``, or shards of at most ``max_shard_bytes`` and their index, as transformers writes."""
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for n, shard in enumerate(shards, start=1):
-        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-             "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

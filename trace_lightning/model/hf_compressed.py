@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from trace_lightning.model.checkpoint_files import CheckpointError, SafetensorsReader
 from trace_lightning.quant import E2M1_MAX, decode_e2m1, unpack_fp4
 from trace_lightning.quant.mxfp4 import E8M0_BIAS, E8M0_NAN, mx_scale_bytes
 from trace_lightning.quant.nvfp4 import E4M3_MAX
@@ -57,7 +58,7 @@ LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class Reader(Protocol):
-    """What ``hf._SafetensorsReader`` offers: key -> tensor over a checkpoint's files."""
+    """What ``checkpoint_files.SafetensorsReader`` offers: key -> tensor over a checkpoint's files."""
 
     def __contains__(self, key: str) -> bool: ...
     def keys(self) -> set[str]: ...
@@ -65,8 +66,6 @@ class Reader(Protocol):
 
 
 def _error(message: str) -> Exception:
-    from trace_lightning.model.hf import CheckpointError
-
     return CheckpointError(message)
 
 
@@ -97,9 +96,7 @@ def boundary_layers(path: Path, raw_config: dict[str, Any], n_layers: int) -> di
     without packed weights (an exported policy's boundary layers); empty for a dense checkpoint."""
     if packed_format(raw_config, path) is None:
         return {}
-    from trace_lightning.model.hf import _SafetensorsReader
-
-    quantized = sorted({int(m.group(1)) for k in _SafetensorsReader(path).keys()
+    quantized = sorted({int(m.group(1)) for k in SafetensorsReader(path).keys()
                         if k.endswith("." + PACKED) and (m := LAYER.match(k))})
     if not quantized:
         return {"bf16_first_layers": n_layers, "bf16_last_layers": 0}

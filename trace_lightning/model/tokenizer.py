@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from trace_lightning.model.hf import read_json_file
+from trace_lightning.model.checkpoint_files import read_json_file
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 MAX_TOKENIZER_BYTES = 1 << 30

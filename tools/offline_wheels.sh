@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The Python packages `trace-rl fit` needs that the GPU image ('cuda', Python 3.12) lacks, as wheels in .whl/ (git
-# ignores it; a device call names it in `carry`, and tools/gpu_fit.sh installs it with --no-index --no-deps).
+# For a GPU machine without a package index: the Python packages `trace-rl fit` needs that a CUDA image with torch
+# (Python 3.12) may lack, downloaded here as wheels into .whl/ (git ignores it). Copy .whl/ to that machine; the
+# tools/gpu_*.sh scripts install it with --install (pip --no-index --no-deps). A machine with pip access needs none
+# of this: pip install -e . installs everything.
 # The image has torch, triton, lightning, torchmetrics, tensorboard, safetensors, transformers, tokenizers,
 # matplotlib, sympy, tabulate and pyyaml; what is missing: jsonargparse (LightningCLI) with its signatures extra,
 # omegaconf, and reasoning-gym with its own needs. pycosat and zss, cellpylib ship no cp312 wheel: built here
 # with a local Python 3.12 (pyenv), pycosat as a linux_x86_64 wheel.
-# Usage: bash tools/gpu_wheels.sh [PYTHON3.12]
+# Usage: bash tools/offline_wheels.sh [PYTHON3.12]
 set -euo pipefail
 PY312=${1:-/root/.pyenv/versions/3.12.1/bin/python}
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo /.whl/ >> .git/info/exclude; }
