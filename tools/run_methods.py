@@ -108,18 +108,29 @@ def setting(warmup: int, rl_steps: int, fit_args: list[str]) -> dict:
     return {"warmup_steps": warmup, "rl_steps": rl_steps, "configs": list(CONFIGS), "fit_args": list(fit_args)}
 
 
+def checkpoint_step(path: str) -> int:
+    """The optimizer steps a Lightning checkpoint holds (-1 if unreadable)."""
+    import torch
+
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True)["global_step"])
+    except Exception:  # noqa: BLE001 - a half-written or foreign file is simply not a finished warm start
+        return -1
+
+
 def warm_start(seed: int, warmup: int, out: Path, fit_args: list[str]) -> tuple[Path, dict]:
     """The seed's warm-start checkpoint (trained here once) and its eval accuracies."""
     warm = out / f"warm_s{seed}"
     pattern = str(warm / "sim" / "version_*" / "checkpoints" / "*.ckpt")
-    if not glob.glob(pattern):
+    if not any(checkpoint_step(path) == warmup for path in glob.glob(pattern)):  # a cut-off one holds fewer steps
         fit(["--model.seed", str(seed), "--model.warmup_steps", str(warmup), "--trainer.max_steps", str(warmup),
              "--trainer.logger.init_args.save_dir", str(warm), "--trainer.logger.init_args.name", "sim",
              "--trainer.val_check_interval", str(warmup), *fit_args])
     s = scalars(latest_version(warm, "sim"))
+    finished = [path for path in glob.glob(pattern) if checkpoint_step(path) == warmup]
     evals = {"warm_fp4_accuracy": s["eval/accuracy"][-1][1] if s.get("eval/accuracy") else math.nan,
              "warm_bf16_accuracy": s["eval/bf16_accuracy"][-1][1] if s.get("eval/bf16_accuracy") else math.nan}
-    return Path(max(glob.glob(pattern), key=os.path.getmtime)), evals
+    return Path(max(finished, key=os.path.getmtime)), evals
 
 
 def run_method(method: str, seed: int, warm: tuple[Path, dict], out: Path, rl_steps: int, run_setting: dict,

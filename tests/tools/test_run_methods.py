@@ -115,3 +115,12 @@ def test_unknown_method_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         rm.main(["--methods", "fp5", "--report", "--no-docs"])
     assert "unknown --methods ['fp5']" in capsys.readouterr().err
+
+
+def test_a_cut_off_warm_start_is_not_taken_for_a_finished_one(tmp_path: Path) -> None:
+    import torch
+
+    torch.save({"global_step": 125, "state_dict": {}}, tmp_path / "last.ckpt")
+    (tmp_path / "broken.ckpt").write_bytes(b"not a checkpoint")
+    assert rm.checkpoint_step(str(tmp_path / "last.ckpt")) == 125
+    assert rm.checkpoint_step(str(tmp_path / "broken.ckpt")) == -1
