@@ -189,20 +189,36 @@ def aggregate(results: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
     return table
 
 
+def paired(results: list[dict], method: str, key: str, ref_key: str | None = None) -> dict[str, float]:
+    """Spread over seeds of method's `key` minus the bf16 run's `ref_key` (default: the same key) on the same seed:
+    both start from that seed's warm start, so the difference removes the warm start's seed-to-seed spread."""
+    ref = {r["seed"]: r[ref_key or key] for r in results if r["method"] == "bf16"}
+    return spread([r[key] - ref[r["seed"]] for r in results if r["method"] == method and r["seed"] in ref])
+
+
 def cell(s: dict[str, float], fmt: str = ".3f") -> str:
     if s["n"] == 0:
         return "-"
     return f"{s['mean']:{fmt}} +- {s['std']:{fmt}} [{s['min']:{fmt}}, {s['max']:{fmt}}]"
 
 
-def table_lines(table: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+def table_lines(table: dict[str, dict[str, dict[str, float]]], results: list[dict] | None = None) -> list[str]:
+    """The markdown table; with `results`, two paired columns against bf16 on the same seeds: final reward minus
+    bf16's, and FP4 accuracy minus ptq's (the bf16 run's FP4 accuracy)."""
     lines = ["| method | seeds | final reward | FP4 accuracy | BF16 accuracy | mean k3_kl |",
              "| --- | --- | --- | --- | --- | --- |"]
+    if results is not None:
+        lines = [lines[0] + " reward - bf16 (paired) | FP4 accuracy - ptq (paired) |", lines[1] + " --- | --- |"]
     for m, row in table.items():
         n = max(s["n"] for s in row.values())
         k3 = row["mean_k3_kl"]
-        lines.append(f"| {m} | {n} | {cell(row['final_reward'])} | {cell(row['fp4_accuracy'])} | "
-                     f"{cell(row['bf16_accuracy'])} | {'-' if k3['n'] == 0 else format(k3['mean'], '.2e')} |")
+        line = (f"| {m} | {n} | {cell(row['final_reward'])} | {cell(row['fp4_accuracy'])} | "
+                f"{cell(row['bf16_accuracy'])} | {'-' if k3['n'] == 0 else format(k3['mean'], '.2e')} |")
+        if results is not None:
+            own = m not in ("bf16", "ptq")
+            line += (f" {cell(paired(results, m, 'final_reward')) if own else '-'} |"
+                     f" {cell(paired(results, m, 'fp4_accuracy')) if own else '-'} |")
+        lines.append(line)
     return lines
 
 
@@ -269,7 +285,9 @@ def write_results(results: list[dict], command: str, name: str, figures: bool) -
         f"found by the program: {'; '.join(devices)}. Setting: {'; '.join(sorted(settings))}.",
         "Cells: mean +- sample std [min, max] over seeds; final reward = mean of the last 20% of RL steps; accuracies "
         "from the last eval. `ptq` = the bf16 method's policy evaluated by the FP4 engine (quantized after training).",
-        "", *table_lines(aggregate(results)),
+        "Paired columns: per seed, the method's value minus bf16's (ptq's for accuracy) from the same warm start; "
+        "mean +- std [min, max] over the seeds both ran.",
+        "", *table_lines(aggregate(results), results),
     ]
     if figures:
         prefix = "" if name == "sim" else f"{name}_"
@@ -314,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
                 r = run_method(method, seed, warm, args.out, args.rl_steps, run_setting, fit_args)
                 print(json.dumps({k: v for k, v in r.items() if k not in ("curves", "setting")}), flush=True)
     results = [r for r in load_results([args.out, *args.merge]) if r["method"] in args.methods]
-    print("\n".join(table_lines(aggregate(results))))
+    print("\n".join(table_lines(aggregate(results), results)))
     if args.no_docs or not results:
         return
     prefix = "" if args.name == "sim" else f"{args.name}_"

@@ -124,3 +124,15 @@ def test_a_cut_off_warm_start_is_not_taken_for_a_finished_one(tmp_path: Path) ->
     (tmp_path / "broken.ckpt").write_bytes(b"not a checkpoint")
     assert rm.checkpoint_step(str(tmp_path / "last.ckpt")) == 125
     assert rm.checkpoint_step(str(tmp_path / "broken.ckpt")) == -1
+
+
+def test_paired_differences_are_taken_seed_by_seed() -> None:
+    results = [_run("bf16", 0, 0.5, 0.4, 0.6), _run("bf16", 1, 0.9, 0.8, 0.9),
+               _run("fp4_qat", 0, 0.4, 0.5, 0.6), _run("fp4_qat", 1, 0.7, 0.8, 0.9), _run("fp4_qat", 2, 0.1, 0.1, 0.1)]
+    reward = rm.paired(results, "fp4_qat", "final_reward")  # seed 2 has no bf16 run: left out
+    assert reward["n"] == 2 and reward["mean"] == pytest.approx(-0.15) and reward["min"] == pytest.approx(-0.2)
+    accuracy = rm.paired(results, "fp4_qat", "fp4_accuracy")
+    assert accuracy["mean"] == pytest.approx(0.05) and accuracy["max"] == pytest.approx(0.1)
+    lines = rm.table_lines(rm.aggregate(results), results)
+    row = next(line for line in lines if line.startswith("| fp4_qat |"))
+    assert row.endswith("| -0.150 +- 0.071 [-0.200, -0.100] | 0.050 +- 0.071 [0.000, 0.100] |")
