@@ -66,7 +66,7 @@ fi
 if [ "$PART" = methods ]; then
   echo "## 6. bf16 / fp4_qat / trace_compact on the GPU, $RL RL steps each from one warm start (resumable)"
   timeout 560 python3 tools/run_methods.py --config conf/gpu.yaml --methods bf16 fp4_qat trace_compact \
-    --warmup-steps 300 --rl-steps "$RL" --out runs/methods_gpu --name gpu --machine "1x H200" 2>&1 \
+    --warmup-steps 300 --rl-steps "$RL" --out runs/methods_gpu --name gpu 2>&1 \
     | tee "$OUT/methods.log" | grep "^{\|Error\|error" | tail -8
   mkdir -p "$OUT/methods" && cp runs/methods_gpu/*.json docs/results.md docs/figures/gpu_* "$OUT/methods/" 2>/dev/null
 fi

@@ -26,7 +26,7 @@ class MethodSpec:
     default_layers: str = "none"
     """Layer policy of the record (see guidance.compaction)."""
     correction: str = "none"
-    """Rollout-training mismatch correction of the policy loss: "none", "tis" or "mis"."""
+    """Rollout-training mismatch correction of the policy loss: "none", "tis", "mis" or "icepop"."""
 
     @property
     def records(self) -> bool:
@@ -45,6 +45,7 @@ METHODS: dict[str, MethodSpec] = {
         MethodSpec("fp4_naive", rollout_fp4=True, train_quant="none"),
         MethodSpec("fp4_qat", rollout_fp4=True, train_quant="qat"),
         MethodSpec("fp4_qat_tis", rollout_fp4=True, train_quant="qat", correction="tis"),
+        MethodSpec("fp4_qat_icepop", rollout_fp4=True, train_quant="qat", correction="icepop"),
         MethodSpec("trace", rollout_fp4=True, train_quant="guided", guidance_mode="full", default_layers="all"),
         MethodSpec(
             "trace_compact", rollout_fp4=True, train_quant="guided", guidance_mode="parity", default_layers="all"

@@ -37,7 +37,7 @@ def _one_line_listing(err: pytest.ExceptionInfo[ValueError], field: str, choices
         (lambda: RLConfig(advantage="ppo"), "rl.advantage", sorted(ADVANTAGES)),
         (lambda: RLConfig(loss="dpo"), "rl.loss", ["ppo_clip", "gspo", "pg"]),
         (lambda: RLConfig(loss_agg="sum"), "rl.loss_agg", ["token_mean"]),
-        (lambda: RLConfig(correction="is"), "rl.correction", ["none", "tis", "mis"]),
+        (lambda: RLConfig(correction="is"), "rl.correction", ["none", "tis", "mis", "icepop"]),
         (lambda: RLDataModule(env="chess"), "env", sorted(ENVS)),
         (lambda: MoEConfig.from_name("gpt-5"), "model preset", sorted(name_to_config)),
     ],
@@ -77,6 +77,7 @@ def test_bad_rollout_numbers_are_refused(kwargs: dict, message: str) -> None:
         ({"clip_eps": math.inf}, "rl.clip_eps must be a finite number >= 0.0, got inf"),
         ({"kl_coef": -1.0}, "rl.kl_coef must be a finite number >= 0.0, got -1.0"),
         ({"tis_cap": 0.0}, "rl.tis_cap must be a finite number > 0.0, got 0.0"),
+        ({"icepop_bound": 1.0}, "rl.icepop_bound must be a finite number > 1.0, got 1.0"),
     ],
 )
 def test_bad_rl_numbers_are_refused(kwargs: dict, message: str) -> None:

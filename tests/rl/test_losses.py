@@ -11,6 +11,7 @@ from trace_lightning.rl import (
     PolicyLossConfig,
     agg_loss,
     correction_weights,
+    icepop_mask,
     mis_mask,
     policy_loss,
     ppo_clip_loss,
@@ -100,6 +101,33 @@ def test_tis_and_mis_token_level() -> None:
     assert mis_mask(lt, lr, mask, low=0.5, high=2.0).tolist() == [[False, True, True, False]]
     weights = correction_weights(lt, lr, mask, CorrectionConfig(name="mis"))
     torch.testing.assert_close(weights, torch.tensor([[0.0, 0.5, 1.0, 0.0]]))
+
+
+def test_icepop_masks_tokens_outside_the_band_and_keeps_the_rest_at_weight_one() -> None:
+    # ratios 3, 0.5 (on the lower edge), 1.9, 0.4, 1 (padding)
+    lt = torch.zeros(1, 5)
+    lr = -torch.tensor([[math.log(3.0), math.log(0.5), math.log(1.9), math.log(0.4), 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
+    assert icepop_mask(lt, lr, mask, bound=2.0).tolist() == [[False, True, True, False, False]]
+    weights = correction_weights(lt, lr, mask, CorrectionConfig(name="icepop", bound=2.0))
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0]]))
+    # a wider band keeps 3 and 0.4 as well
+    wide = correction_weights(lt, lr, mask, CorrectionConfig(name="icepop", bound=5.0))
+    torch.testing.assert_close(wide, torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]]))
+    with pytest.raises(ValueError, match="icepop bound must be > 1"):
+        icepop_mask(lt, lr, mask, bound=1.0)
+
+
+def test_icepop_loss_drops_masked_tokens_but_keeps_them_in_the_token_mean() -> None:
+    logp = torch.zeros(1, 4)
+    rollout = -torch.tensor([[math.log(3.0), 0.0, math.log(1.5), math.log(0.25)]])  # ratios 3, 1, 1.5, 0.25
+    cfg = PolicyLossConfig(correction=CorrectionConfig(name="icepop", bound=2.0))
+    loss, metrics = ppo_clip_loss(logp, None, rollout, torch.tensor([1.0]), torch.ones(1, 4, dtype=torch.bool), cfg)
+    # on-policy PPO token loss is -A = -1; two kept tokens of four
+    torch.testing.assert_close(loss, torch.tensor(-2.0 / 4))
+    torch.testing.assert_close(metrics["policy/correction_masked_frac"], torch.tensor(0.5))
+    torch.testing.assert_close(metrics["policy/correction_keep_frac"], torch.tensor(0.5))
+    torch.testing.assert_close(metrics["policy/correction_weight_mean"], torch.tensor(0.5))
 
 
 def test_sequence_and_geometric_levels() -> None:

@@ -54,7 +54,7 @@ class TraceConfig:
     """How rollout and training quantize, and how the record guides training."""
 
     method: str = "trace_compact"
-    """bf16 | fp4_naive | fp4_qat | fp4_qat_tis | trace | trace_compact (docs/design.md, Methods)."""
+    """bf16 | fp4_naive | fp4_qat | fp4_qat_tis | fp4_qat_icepop | trace | trace_compact (docs/design.md, Methods)."""
     fmt: str = "nvfp4"
     """FP4 format: nvfp4 | mxfp4 | mxfp4:rceil."""
     layers: str | None = None
@@ -168,8 +168,10 @@ class RLConfig:
     """KL-to-reference penalty (k3); 0 disables it."""
     tis_cap: float = 2.0
     """Truncation of the importance weight for tis."""
+    icepop_bound: float = 2.0
+    """icepop: tokens whose rollout importance ratio leaves [1/icepop_bound, icepop_bound] carry no gradient."""
     correction: str | None = None
-    """Mismatch correction none | tis | mis; None takes the method's default."""
+    """Mismatch correction none | tis | mis | icepop; None takes the method's default."""
 
     def __post_init__(self) -> None:
         check_choice("rl.advantage", self.advantage, ADVANTAGES)
@@ -180,6 +182,7 @@ class RLConfig:
         check_real("rl.clip_eps", self.clip_eps, 0.0)
         check_real("rl.kl_coef", self.kl_coef, 0.0)
         check_real("rl.tis_cap", self.tis_cap, 0.0, low_open=True)
+        check_real("rl.icepop_bound", self.icepop_bound, 1.0, low_open=True)
 
 
 def check_run_args(rl: RLConfig, rollout: RolloutConfig, *, lr: float, warmup_lr: float, warmup_steps: int,

@@ -157,7 +157,7 @@ class PolicyModule(L.LightningModule):
             clip_high=self.rl.clip_eps,
             agg_mode=self.rl.loss_agg,
             kl_coef=self.rl.kl_coef,
-            correction=CorrectionConfig(name=self.correction, cap=self.rl.tis_cap),
+            correction=CorrectionConfig(name=self.correction, cap=self.rl.tis_cap, bound=self.rl.icepop_bound),
         )
         torch.manual_seed(seed)
         self.policy, self.tokenizer = build_policy(model, checkpoint, chat_template, chat_template_kwargs)

@@ -15,10 +15,15 @@ padding. Levels: "token" uses exp(d_t); "sequence" uses exp(sum_t d_t) for every
   secretly brings you off-policy RL training").
 - "mis": masked importance sampling, w = ratio if low <= ratio <= high else 0 (tokens or whole sequences
   outside the trust band are dropped instead of clipped).
+- "icepop": IcePop's token mask (Ring-1T, "Small Leak Can Sink a Great Ship"), w = 1 if 1/bound <= ratio <= bound
+  else 0: a token whose engines disagree by more than a factor `bound` carries no gradient, the others carry their
+  plain (unweighted) gradient. verl's mask mode defaults to the same band ([1/2, 2]: threshold 2, lower bound its
+  reciprocal). Always per token: a sequence-level ratio would drop whole responses, which is what "mis" is for.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +40,7 @@ class CorrectionConfig:
     """Which rollout-mismatch correction to apply and its thresholds."""
 
     name: str = "none"
-    """One of CORRECTIONS: "none", "tis", "mis"."""
+    """One of CORRECTIONS: "none", "tis", "mis", "icepop"."""
     level: str = "token"
     """Ratio granularity: "token", "sequence" (exp of the summed log ratio) or "geometric" (exp of its mean)."""
     cap: float = 2.0
@@ -44,6 +49,8 @@ class CorrectionConfig:
     """MIS: ratios below this are masked out."""
     high: float = 2.0
     """MIS: ratios above this are masked out."""
+    bound: float = 2.0
+    """IcePop: tokens whose ratio leaves [1/bound, bound] get weight 0 (bound > 1)."""
 
 
 def log_ratio(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor) -> Tensor:
@@ -90,6 +97,15 @@ def mis_weights(
     return torch.where(mis_mask(logp_train, logp_rollout, mask, low, high, level), ratio, 0.0)
 
 
+def icepop_mask(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor, bound: float = 2.0) -> Tensor:
+    """Bool [B, T]: response tokens whose per-token ratio lies in [1/bound, bound] (compared in log space, so a
+    ratio of exactly bound or 1/bound is kept)."""
+    if not bound > 1.0:
+        raise ValueError(f"icepop bound must be > 1 (the band is [1/bound, bound]), got {bound}")
+    d = log_ratio(logp_train, logp_rollout, mask)
+    return mask.bool() & (d.abs() <= math.log(bound))
+
+
 def _none(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor, cfg: CorrectionConfig) -> Tensor:
     return mask.float()
 
@@ -102,8 +118,12 @@ def _mis(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor, cfg: Correction
     return mis_weights(logp_train, logp_rollout, mask, cfg.low, cfg.high, cfg.level)
 
 
+def _icepop(logp_train: Tensor, logp_rollout: Tensor, mask: Tensor, cfg: CorrectionConfig) -> Tensor:
+    return icepop_mask(logp_train, logp_rollout, mask, cfg.bound).float()
+
+
 CorrectionFn = Callable[[Tensor, Tensor, Tensor, CorrectionConfig], Tensor]
-CORRECTIONS: dict[str, CorrectionFn] = {"none": _none, "tis": _tis, "mis": _mis}
+CORRECTIONS: dict[str, CorrectionFn] = {"none": _none, "tis": _tis, "mis": _mis, "icepop": _icepop}
 
 
 def correction_weights(

@@ -166,6 +166,7 @@ def _policy_loss(
         "policy/approx_kl": masked_mean(k3(logp_new.detach() - logp_old), m),
         "policy/correction_weight_mean": masked_mean(weights, m),
         "policy/correction_keep_frac": masked_mean((weights > 0).float(), m),
+        "policy/correction_masked_frac": masked_mean((weights == 0).float(), m),
     }
     if cfg.kl_coef > 0 and logp_ref is not None:
         kl = k3(logp_ref.detach() - logp_new)  # KL(pi || ref), samples from pi
