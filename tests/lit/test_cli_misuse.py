@@ -4,12 +4,10 @@ beside a checkpoint either apply or are refused, never silently dropped."""
 import sys
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from jsonargparse import Namespace
 
-from trace_lightning.lit.callbacks import default_callbacks
 from trace_lightning.lit.checkpoints import (
     CheckpointFileError,
     check_fits,
@@ -19,9 +17,9 @@ from trace_lightning.lit.checkpoints import (
 )
 from trace_lightning.lit.cli import TraceCLI, entry, main
 from trace_lightning.lit.cli_checks import CLIError, check_group_values, drop_checkpoint_callbacks
-from trace_lightning.lit.config import RolloutConfig
-from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import PolicyModule, load_policy_weights
+
+from .conftest import one_step_checkpoint
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf" / "sim.yaml")
 
@@ -30,14 +28,8 @@ CONF = str(Path(__file__).resolve().parents[2] / "conf" / "sim.yaml")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A real one-step trace-rl checkpoint, and the wrong things a user may pass instead of one."""
     out = tmp_path_factory.mktemp("ckpts")
-    module = PolicyModule(rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=2), warmup_steps=1,
-                          cpu_threads=1)
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=default_callbacks())
-    trainer.fit(module, datamodule=RLDataModule(demo_batch_size=4, eval_size=4))
-    trainer.save_checkpoint(out / "run.ckpt")
-    trainer.save_checkpoint(out / "weights_only.ckpt", weights_only=True)
+    module = one_step_checkpoint(out / "run.ckpt", weights_only=True)
+    (out / "run_weights_only.ckpt").rename(out / "weights_only.ckpt")
     torch.save(module.policy.state_dict(), out / "bare.pt")
     (out / "garbage.ckpt").write_bytes(bytes(range(256)) * 8)
     ckpt = torch.load(out / "run.ckpt", weights_only=True)

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 
 import lightning as L
 import pytest
-import torch
 from jsonargparse import Namespace
 
 from trace_lightning.lit.cli import main
 from trace_lightning.lit.console import RLProgressBar, RunSummary
 from trace_lightning.lit.runs import run_name, run_of_checkpoint
+
+from .conftest import one_step_checkpoint
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "sim.yaml"
 TINY = ["--model.warmup_steps", "2", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "1",
@@ -54,8 +55,7 @@ def test_fit_logs_to_a_folder_named_after_the_run(tmp_path: Path, monkeypatch: p
 
 def test_a_resume_logs_on_in_its_checkpoints_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = tmp_path / "old" / "bf16-arithmetic-debug-moe" / "version_4" / "checkpoints" / "last.ckpt"
-    ckpt.parent.mkdir(parents=True)
-    torch.save({}, ckpt)
+    one_step_checkpoint(ckpt)
     log_dir = cli_log_dir(tmp_path, monkeypatch, "fit", "--ckpt_path", str(ckpt))
     assert log_dir == str(tmp_path / "old" / "bf16-arithmetic-debug-moe" / "version_4")
 
@@ -67,7 +67,7 @@ def test_validate_writes_no_run_folder_unless_asked(tmp_path: Path, monkeypatch:
 
 
 def test_a_missing_ckpt_path_is_refused_before_any_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="--ckpt_path nope.ckpt: no such checkpoint file"):
+    with pytest.raises(ValueError, match="--ckpt_path nope.ckpt: no such file"):
         cli_log_dir(tmp_path, monkeypatch, "fit", "--ckpt_path", "nope.ckpt")
     assert not (tmp_path / "runs").exists()
 

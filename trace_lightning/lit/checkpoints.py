@@ -16,7 +16,7 @@ from torch import Tensor
 
 from trace_lightning.model import MoEConfig, Transformer
 
-EXAMPLE = "runs/<method>/version_N/checkpoints/last.ckpt"
+EXAMPLE = "runs/<run>/version_N/checkpoints/last.ckpt"
 
 
 class CheckpointFileError(ValueError):

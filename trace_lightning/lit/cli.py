@@ -30,7 +30,7 @@ from trace_lightning.lit.cli_checks import (
 from trace_lightning.lit.console import RLProgressBar, RunSummary, quiet_lightning
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import PolicyModule
-from trace_lightning.lit.runs import check_ckpt_path, place_fit_run, writes_run_folder
+from trace_lightning.lit.runs import place_fit_run, writes_run_folder
 
 DESCRIPTION = """\
 trace-rl: FP4 reinforcement learning for Mixture-of-Experts language models (TRACE).
@@ -122,7 +122,6 @@ class TraceCLI(LightningCLI):
         self.trainer_defaults["callbacks"] = [*bar, RunSummary()]
         if self.subcommand == "predict":
             check_predict_weights(config)
-        check_ckpt_path(config)
         if writes_run_folder(self.subcommand, config):
             place_fit_run(config)
         else:  # evaluating or sampling is not a run: no runs/ folder, no config.yaml per call

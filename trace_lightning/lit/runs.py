@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 VERSION_DIR = re.compile(r"^version_(\d+)$")
-LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 
 def _get(node: Any, key: str) -> Any:
@@ -68,17 +67,9 @@ def place_fit_run(config: Any) -> None:
         logger.init_args.name = run_name(config)
 
 
-def check_ckpt_path(config: Any) -> None:
-    """A local --ckpt_path must exist before any run folder is made for it (Lightning's names "last" / "best"
-    and remote URLs pass through)."""
-    ckpt = config.get("ckpt_path")
-    if ckpt and str(ckpt) not in LIGHTNING_CKPT_NAMES and "://" not in str(ckpt) and not Path(ckpt).is_file():
-        raise ValueError(f"--ckpt_path {ckpt}: no such checkpoint file")
-
-
 def writes_run_folder(subcommand: str | None, config: Any) -> bool:
     """fit (and a CLI built without a subcommand) always logs; validate and predict only when --log_run asks."""
     return subcommand not in ("validate", "predict") or bool(config.get("log_run"))
 
 
-__all__ = ["check_ckpt_path", "place_fit_run", "run_name", "run_of_checkpoint", "writes_run_folder"]
+__all__ = ["place_fit_run", "run_name", "run_of_checkpoint", "writes_run_folder"]
