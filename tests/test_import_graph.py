@@ -35,7 +35,11 @@ def imported_modules(source: str, me: str, is_package: bool, modules: set[str]) 
     against ``me``."""
     package = me if is_package else me.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    typing_only = {id(n) for block in ast.walk(tree) if _is_type_checking_block(block) for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:  # annotations only: never imported at run time, so no circle
+            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -46,6 +50,15 @@ def imported_modules(source: str, me: str, is_package: bool, modules: set[str]) 
             subs = {f"{base}.{alias.name}" for alias in node.names}
             found |= subs & modules if subs <= modules else subs & modules | {base}
     return {name for name in found if name in modules and name != me}
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``) without an else."""
+    if not isinstance(node, ast.If) or node.orelse:
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -62,6 +75,8 @@ def test_graph_sees_function_level_and_relative_imports() -> None:
     found = imported_modules("from trace_lightning.model import load_hf\n", "trace_lightning.lit.probe", False,
                              set(package_modules()))
     assert found == {"trace_lightning.model"}
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trace_lightning.lit.worker import W\n"
+    assert imported_modules(typing_only, "trace_lightning.lit.probe", False, set(package_modules())) == set()
 
 
 def test_no_two_package_modules_import_each_other() -> None:

@@ -48,6 +48,7 @@ class Outside:
     priority: int
     affinity: set[int]
     hostname: str
+    earlier: set[int]  # processes this test process already had (e.g. a scoring pool's forkserver)
 
     def fields(self) -> dict[str, Any]:
         return {
@@ -133,7 +134,8 @@ def outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Outside
         s.setblocking(False)
     decoy = subprocess.Popen(["sleep", "120"], start_new_session=True)
     yield Outside(decoy, tmp_path, _snapshot(tmp_path), tcp, udp, unix, unix_name, secret,
-                  os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0), socket.gethostname())  # fmt: skip
+                  os.getpriority(os.PRIO_PROCESS, 0), os.sched_getaffinity(0), socket.gethostname(),
+                  _descendants(os.getpid()) - {decoy.pid})  # fmt: skip
     decoy.kill()
     decoy.wait()
     for s in (tcp, udp, unix):
@@ -163,7 +165,7 @@ def check_contained(out: Outside, result: Any, elapsed: float) -> None:
     assert socket.gethostname() == out.hostname, "the hostname changed"
     assert oct(out.dir.stat().st_mode & 0o777) == oct(0o777)
     assert all(_received_nothing(s) for s in (out.tcp, out.udp, out.unix)), "a listener outside was reached"
-    left = {pid for pid in _descendants(os.getpid()) - {out.decoy.pid} if not _reaped_zombie(pid)}
+    left = {pid for pid in _descendants(os.getpid()) - {out.decoy.pid} - out.earlier if not _reaped_zombie(pid)}
     assert not left, f"the sandbox left processes behind: {[_cmdline(pid) for pid in left]}"
     assert out.secret not in repr(result), "the environment secret leaked"
 
