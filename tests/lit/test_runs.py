@@ -30,6 +30,9 @@ def test_run_name_says_method_task_and_model() -> None:
     assert run_name(config(model="debug-moe", trace=Namespace(method="fp4_qat"))) == "fp4_qat-countdown-debug-moe"
     hf = config(model="debug-moe", checkpoint="/ckpts/Qwen3 30B/", trace=Namespace(method="bf16"))
     assert run_name(hf) == "bf16-countdown-Qwen3_30B"  # the checkpoint folder's name, made path-safe
+    gym = Namespace(model=Namespace(model="debug-moe"), data=Namespace(env="reasoning_gym",
+                                                                        env_kwargs={"dataset": "spiral_matrix"}))
+    assert run_name(gym) == "trace_compact-spiral_matrix-debug-moe"
 
 
 def test_run_of_checkpoint_finds_the_version_folder(tmp_path: Path) -> None:

@@ -22,10 +22,13 @@ def _get(node: Any, key: str) -> Any:
 
 def run_name(config: Any) -> str:
     """``<method>-<task>-<model>`` of a subcommand's config; the model is a checkpoint folder's name where one is
-    loaded (``trace_compact-arithmetic-Qwen3-30B-A3B``), else the preset's."""
+    loaded (``trace_compact-arithmetic-Qwen3-30B-A3B``), else the preset's; the task of the reasoning_gym env is its
+    dataset's name (``trace_compact-countdown-debug-moe``)."""
     model = config.model
     method = _get(_get(model, "trace"), "method") or "trace_compact"
     task = _get(config.data, "env") or "arithmetic"
+    if task == "reasoning_gym":
+        task = _get(_get(config.data, "env_kwargs"), "dataset") or task
     checkpoint = _get(model, "checkpoint")
     name = Path(str(checkpoint).rstrip("/")).name if checkpoint else _get(model, "model") or "debug-moe"
     return "-".join(re.sub(r"[^A-Za-z0-9_.-]+", "_", part) for part in (method, task, name))
