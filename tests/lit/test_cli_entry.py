@@ -100,13 +100,19 @@ def test_fit_logs_its_scalars_and_validate_evaluates_its_checkpoint(tmp_path: Pa
 
     fit = _trace_rl("fit", "--config", str(CONF), *TINY, cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr[-2000:]
-    (run,) = (tmp_path / "runs" / "trace_compact").glob("version_*")
-    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
-    events.Reload()
-    logged = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    (run,) = (tmp_path / "runs" / "trace_compact-arithmetic-debug-moe").glob("version_*")
+
+    def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+        events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+        events.Reload()
+        return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+    logged = scalars(run)
     for tag in ("train/loss", "reward/mean", "mismatch/k3_kl", "time/train_s", "time/rollout_s", "time/sync_s",
-                "rollout/tokens_per_s", "train/tokens_per_s", "eval/accuracy", "eval/bf16_accuracy"):
+                "rollout/tokens_per_s", "train/tokens_per_s", "eval/accuracy"):
         assert tag in logged and [step for step, _ in logged[tag]][-1] == 2, tag  # the one RL step (step 2)
+    # the BF16 engine's eval accuracy: the same tag in the bf16_reference sub-run (one chart, two colours)
+    assert [step for step, _ in scalars(run / "bf16_reference")["eval/accuracy"]][-1] == 2
     assert all(v == v and abs(v) != float("inf") for values in logged.values() for _, v in values)
     # wall time: a step's whole span (logged when the next starts), and making its batch (warm-up or rollout)
     assert [step for step, _ in logged["time/step_s"]] == [0, 1]
