@@ -10,7 +10,7 @@ import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from trace_lightning.guidance.compaction import parse_layer_policy
 from trace_lightning.methods import METHODS
@@ -59,9 +59,10 @@ class TraceConfig:
     """FP4 format: nvfp4 | mxfp4 | mxfp4:rceil."""
     layers: str | None = None
     """Guidance layer policy (all, none, last:K, deep:F, budget:BYTES, auto); None takes the method's default."""
-    records_on_host: bool = False
+    records_on_host: bool | Literal["auto"] = "auto"
     """Stream the rollout's records to host memory while decoding (device memory then stays bounded however long
-    the responses; training copies each batch's record back to the device). For long rollouts."""
+    the responses; training copies each batch's record back to the device). auto: stream a rollout's record when,
+    kept on the GPU, it would take more than a quarter of the device's free memory (lit/record_placement.py)."""
     sites: list[str] | None = None
     """Activation sites the record keeps in the chosen layers (attn_in, k, v, attn_out, moe_in, moe_down,
     shared_down); None: all. Unrecorded sites round to nearest on their own scales, as fp4_qat does."""
@@ -95,6 +96,8 @@ class TraceConfig:
             if unknown or not self.sites:
                 raise ValueError(f"trace.sites: unknown sites {unknown} (or an empty list); expected some of: "
                                  f"{', '.join(SITES)}")
+        if self.records_on_host not in (True, False, "auto"):
+            raise ValueError(f"trace.records_on_host must be true, false or auto, got {self.records_on_host!r}")
         check_int("trace.audit_every", self.audit_every, 0)
         check_choice("trace.rollout_compute", self.rollout_compute, COMPUTE_DTYPES)
         check_choice("trace.backend", self.backend, BACKENDS)

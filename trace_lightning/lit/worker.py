@@ -9,6 +9,7 @@ same quantizer the trainer's QAT uses and keeps the FP4 byte checksums for the a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from trace_lightning.envs import Env, MultiTurnEnv, Problem, score_responses
 from trace_lightning.lit.batch import TrainBatch, pad_sequences, place, response_targets
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.episodes import multiturn_predict, multiturn_rollout
+from trace_lightning.lit.record_placement import cuda_free_bytes, record_goes_to_host
 from trace_lightning.methods import MethodSpec
 from trace_lightning.model import Transformer
 from trace_lightning.quant import parse_format
@@ -64,6 +66,8 @@ class RolloutWorker(L.LightningModule):
         """Layers whose record is kept (set by the DepthSelectiveCompaction callback)."""
         self.audit_next = False
         """Capture full records of every layer on the next rollout (set by the compaction callback)."""
+        self._record_placement: dict[tuple[int, int, Any], bool] = {}
+        """trace.records_on_host "auto": host (True) or device, per (rows, positions, record layout)."""
 
     @property
     def engine(self) -> Engine:
@@ -93,8 +97,10 @@ class RolloutWorker(L.LightningModule):
     def weight_checksums(self) -> dict[str, str]:
         return self.engine.weight_checksums()
 
-    def capture_spec(self) -> CaptureSpec | None:
-        """What the next rollout records: the recorded layers' sites (every layer's full codes on an audit)."""
+    def capture_spec(self, prompts: list[list[int]] | None = None) -> CaptureSpec | None:
+        """What the next rollout records: the recorded layers' sites (every layer's full codes on an audit); with
+        the rollout's `prompts`, where its record lives (trace.records_on_host, lit/record_placement.py; without
+        them, "auto" keeps it on the device: a multi-turn episode's live batch needs it there)."""
         if not self.method.rollout_fp4 or self.method.exact:  # trace_exact: training recomputes, nothing to record
             return None
         config = self.engine.config
@@ -104,11 +110,23 @@ class RolloutWorker(L.LightningModule):
             return None
         # an audit needs the codes of every layer and site; otherwise record only what guidance reads (parity: 4x
         # smaller, and only trace.sites)
-        host = self.trace.records_on_host
         if self.audit_next:
-            return CaptureSpec(layers=layers, mode="full", stream_to_host=host)
-        return CaptureSpec(layers=layers, sites=self.trace.sites or "all", mode=self.method.guidance_mode or "full",
-                           stream_to_host=host)
+            spec = CaptureSpec(layers=layers, mode="full")
+        else:
+            spec = CaptureSpec(layers=layers, sites=self.trace.sites or "all", mode=self.method.guidance_mode or "full")
+        return dataclasses.replace(spec, stream_to_host=self._records_on_host(spec, prompts))
+
+    def _records_on_host(self, spec: CaptureSpec, prompts: list[list[int]] | None) -> bool:
+        setting = self.trace.records_on_host
+        if setting != "auto" or prompts is None:
+            return setting is True
+        max_len = max(len(p) for p in prompts) + self.rollout_cfg.max_new_tokens
+        shape = (len(prompts), max_len, self.engine.record_layout(spec))
+        if shape not in self._record_placement:  # once per shape: a flip would rebuild the kept decode session
+            record = self.engine.memory_plan(len(prompts), max_len, spec).records
+            self._record_placement[shape] = record_goes_to_host(setting, self.engine.device, record,
+                                                                cuda_free_bytes(self.engine.device))
+        return self._record_placement[shape]
 
     def generate(
         self,
@@ -161,7 +179,7 @@ class RolloutWorker(L.LightningModule):
             return multiturn_rollout(self, env, problems, seed)
         g = self.rollout_cfg.group_size
         prompts = self.group_prompts(problems)
-        capture = self.capture_spec()
+        capture = self.capture_spec(prompts)
         start = time.perf_counter()
         # an audit's capture (every layer's codes) is a shape of its own: the engine's kept decode session, the next
         # rollout's, stays
@@ -177,6 +195,8 @@ class RolloutWorker(L.LightningModule):
                                "rollout/decode_steps": out.stats["decode_steps"],
                                "rollout/prefill_s": out.stats["prefill_s"],
                                "rollout/graph_capture_s": out.stats["capture_s"], **scored.stats()}
+        if capture is not None:
+            batch.rollout_stats["rollout/records_on_host"] = float(capture.stream_to_host)
         if self.rollout_cfg.max_batch is not None:
             batch.rollout_stats["rollout/refills"] = out.stats["refills"]
         batch.samples = [
