@@ -3,6 +3,7 @@ conversation on its live KV cache gives the logits of one forward over the whole
 
 import itertools
 import threading
+import time
 
 import pytest
 import torch
@@ -141,6 +142,29 @@ def test_a_slow_env_times_out_its_episode_while_the_others_finish(model: Transfo
     assert out.episodes[0].end == "timeout" and out.episodes[0].reward == 0.0 and len(out.episodes[0].turns) == 1
     assert all(ep.end == "env" and ep.reward == 1.0 and len(ep.turns) == 3 for ep in out.episodes[1:])
     assert out.stats["multiturn/timeouts"] == 1.0
+
+
+def test_replies_in_order_make_episodes_a_function_of_the_seed(model: Transformer) -> None:
+    """However long each reply takes, in_order feeds the same rows together: a rerun gives the same episodes, bit
+    for bit (logprobs included), though the replies come back in another order."""
+    def jittery(delays: list[float]) -> object:
+        waits = itertools.cycle(delays)
+        lock = threading.Lock()
+
+        def reply(i: int, turns: list[str]) -> Reply:
+            with lock:
+                delay = next(waits)
+            time.sleep(delay)
+            return Reply(f"<{i}.{len(turns)}>\n", len(turns) >= 3, reward=1.0)
+        return reply
+
+    engine = Engine(model, FP4Precision(compute_dtype="fp32"))
+    runs = [_play(engine, reply=jittery(d), replies="in_order") for d in ([0.0, 0.03, 0.01], [0.03, 0.0, 0.02, 0.0])]
+    for a, b in zip(runs[0].episodes, runs[1].episodes, strict=True):
+        assert a.tokens == b.tokens and a.policy == b.policy and a.logprobs == b.logprobs and a.turns == b.turns
+    assert runs[0].stats["rollout/forwards"] == runs[1].stats["rollout/forwards"]
+    with pytest.raises(ValueError, match="replies must be 'in_order' or 'as_ready'"):
+        _play(engine, replies="sometimes")
 
 
 def test_episodes_end_at_the_token_budget_and_bad_input_is_named(model: Transformer) -> None:

@@ -129,7 +129,11 @@ class RolloutConfig:
     """Prefill prompts this many positions a forward (bounds the prefill's memory for long prompts; the sequences
     are the same); None: each prefill in one forward."""
     env_timeout_s: float = 30.0
-    """Multi-turn tasks: an env reply that takes longer ends its episode (reward 0) while the others decode on."""
+    """Multi-turn tasks: an env reply that takes longer ends its episode (reward 0)."""
+    env_replies: Literal["in_order", "as_ready"] = "in_order"
+    """Multi-turn tasks: in_order takes every reply asked after a forward before the next one, so reruns give the
+    same episodes bit for bit; as_ready feeds each reply when it comes (a slow env holds up only its own episode,
+    but which rows share a forward, and so their logits, then depends on the env's timing). rollout/turns.py."""
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "group_size", "max_new_tokens"):
@@ -144,6 +148,7 @@ class RolloutConfig:
             check_int("rollout.prefill_chunk", self.prefill_chunk, 1)
         check_real("rollout.temperature", self.temperature, 0.0)
         check_real("rollout.env_timeout_s", self.env_timeout_s, 0.0, low_open=True)
+        check_choice("rollout.env_replies", self.env_replies, ("in_order", "as_ready"))
         check_int("rollout.top_k", self.top_k, 0)
         check_real("rollout.top_p", self.top_p, 0.0, low_open=True, high=1.0)
         if self.group_size == 1:

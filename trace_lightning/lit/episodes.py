@@ -31,7 +31,7 @@ def play(worker: RolloutWorker, env: MultiTurnEnv, problems: list[Problem], prom
     return run_episodes(worker.engine, prompts, rules, worker.sampling_params(seed, greedy),
                         lambda i, turns: env.reply(problems[i // per], turns), worker.decode_response,
                         worker.tokenizer.encode_reply, capture=capture,
-                        env_timeout_s=worker.rollout_cfg.env_timeout_s)
+                        env_timeout_s=worker.rollout_cfg.env_timeout_s, replies=worker.rollout_cfg.env_replies)
 
 
 def multiturn_rollout(worker: RolloutWorker, env: MultiTurnEnv, problems: list[Problem],

@@ -5,8 +5,12 @@ is mid-turn, from the logits of its last forward, and then feeds in one forward 
 token, or, for a row whose environment has answered, the token that ended its turn followed by the reply's tokens
 (forced, prompt-like), which continue the row's KV cache without prefilling the conversation again. A turn ends
 when its text ends with the env's turn_stop, at a stop token, or at max_turn_tokens tokens; the env's reply is then
-asked from a worker thread, so a slow environment holds up only its own episode (the others keep decoding), and a
-reply that has not come within `env_timeout_s` ends its episode (reward 0). An episode ends on the env's word
+asked from a worker thread and a reply that has not come within `env_timeout_s` ends its episode (reward 0). With
+`replies="in_order"` (the default) every reply asked after a forward is taken (or timed out) before the next
+forward, so which rows share a forward, and with it every logit, is a function of the seeds alone: a rerun gives the
+same episodes bit for bit. `"as_ready"` feeds each reply as soon as it comes: a slow environment then holds up only
+its own episode, but the rows a forward batches together depend on the environment's timing, and a row's logits on
+its batch. An episode ends on the env's word
 (Reply.done: its reward), when the next reply would not fit in max_new_tokens, or at that budget mid-turn
 (reward 0). The reply that ends an episode is not fed: nothing is sampled after it, so every sequence ends with a
 policy token, as a single-turn response does.
@@ -107,7 +111,8 @@ class _Row:
 def run_episodes(engine: object, prompts: Sequence[list[int]], rules: TurnRules, params: SamplingParams,
                  reply: Callable[[int, list[str]], Reply], decode: Callable[[list[int]], str],
                  encode_reply: Callable[[str], list[int]], *, capture: CaptureSpec | None = None,
-                 env_timeout_s: float = 30.0, env_workers: int = 4) -> MultiTurnRollout:
+                 env_timeout_s: float = 30.0, env_workers: int = 4,
+                 replies: Literal["in_order", "as_ready"] = "in_order") -> MultiTurnRollout:
     """Play one episode per prompt. reply(i, turns): episode i's env reply to its turns so far (called from worker
     threads); decode(ids): a turn's text (stop ids read as nothing); encode_reply(text): a reply's tokens (through
     the chat template where there is one). params: temperature, top-k / top-p, seed(s) and stop ids as for
@@ -120,6 +125,8 @@ def run_episodes(engine: object, prompts: Sequence[list[int]], rules: TurnRules,
         raise ValueError("run_episodes needs at least one prompt")
     if env_timeout_s <= 0:
         raise ValueError(f"env_timeout_s must be > 0, got {env_timeout_s}")
+    if replies not in ("in_order", "as_ready"):
+        raise ValueError(f"replies must be 'in_order' or 'as_ready', got {replies!r}")
     seeds = (sequence_seeds(int(params.seed), n) if isinstance(params.seed, int) else list(params.seed))
     if len(seeds) != n:
         raise ValueError(f"{len(seeds)} seeds for {n} prompts")
@@ -137,6 +144,8 @@ def run_episodes(engine: object, prompts: Sequence[list[int]], rules: TurnRules,
             active = [i for i, row in enumerate(rows) if row.ep.end is None and row.sampling]
             if active:
                 _sample_turn_tokens(rows, active, logits, keys, params, stops, rules, decode, reply, pool)
+            if replies == "in_order":
+                _await_replies(rows, env_timeout_s)
             env_s += _collect_replies(rows, rules, encode_reply, env_timeout_s, stops)
             if all(row.ep.end is not None for row in rows):
                 break
@@ -231,6 +240,19 @@ def _timed(reply: Callable[[int, list[str]], Reply], i: int, turns: list[str]) -
     if not isinstance(answer, Reply):
         raise TypeError(f"the env's reply to episode {i} is a {type(answer).__name__}, not a Reply")
     return answer, time.perf_counter() - start
+
+
+def _await_replies(rows: list[_Row], timeout_s: float) -> None:
+    """Wait until every asked reply has come or run out of its time (then _collect_replies ends its episode)."""
+    while True:
+        now = time.perf_counter()
+        pending = [row for row in rows
+                   if row.waiting is not None and not row.waiting.done() and now - row.asked_at < timeout_s]
+        if not pending:
+            return
+        left = min(timeout_s - (now - row.asked_at) for row in pending)
+        cf.wait([row.waiting for row in pending if row.waiting is not None], timeout=left,
+                return_when=cf.FIRST_COMPLETED)
 
 
 def _time_left(rows: list[_Row], timeout_s: float) -> float:
