@@ -1,6 +1,6 @@
 """tools/sass_report.py on the FP4 GEMMs (sm_90 SASS, compiled on the CPU): properties the parity tests cannot see.
 
-A synchronous global load inside a K loop costs a memory latency per K tile (v9 in docs/benchmarks.md: the scale
+A synchronous global load inside a K loop costs a memory latency per K tile (H200, 2026-12-03: the scale
 bytes, until their loads were written so that Triton pipelines them through cp.async). The tool runs in its own
 process: the kernel tests import the kernels under Triton's interpreter, which cannot compile them.
 """

@@ -160,7 +160,7 @@ def grid_dependency(device: torch.device) -> dict[str, bool]:
     and flushed. Launched with `launch_pdl`, a kernel's programs may be scheduled before the previous kernel has
     finished; they wait in `griddepcontrol.wait` (`_fp4.await_previous_grid`, the first thing every kernel here does
     when PDL is set) until its writes are visible, so results are those of plain stream order. Measured on an H200
-    (docs/benchmarks.md v13, decode step of the qwen3-30b-a3b shape): within 1% of no PDL at every batch; letting the
+    (H200 2026-12-04, decode step of the qwen3-30b-a3b shape): within 1% of no PDL at every batch; letting the
     successor launch as soon as all programs run instead was 6% faster at batch 1 but 4 / 13% slower at batch 64 /
     256 (early programs pile onto the SMs that free up first), and was removed. Empty (plain launches) on CPU, under
     the interpreter and before sm_90."""

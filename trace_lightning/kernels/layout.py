@@ -16,14 +16,14 @@ def prefers_word_layout(dtype: torch.dtype, device: torch.device | str, cache: b
     packed bf16x2 PTX decoder: CUDA, bf16); elsewhere they read the stored order.
 
     The KV cache (`cache`) takes it wherever the weights do (H200: attention -6%, long 16K rollouts 2.66 -> 2.77x
-    BF16; docs/benchmarks.md v9); the argument stays for the ops protocol the sim shares."""
+    BF16, H200 2026-12-03); the argument stays for the ops protocol the sim shares."""
     return fast_dequant(dtype, torch.device(device))
 
 
 def prefers_value_tiles(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether the FP4 KV cache holds its values in value tiles (trace_lightning/quant/kv_tiles.py): where the fast
     decoder runs. The decode attention then takes each V tile as its MMA operand straight from the decoder instead
-    of transposing it through shared memory (H200, B=250 / 16K: 43 -> 65% of 4.25 TB/s; docs/benchmarks.md v13)."""
+    of transposing it through shared memory (H200, B=250 / 16K: 43 -> 65% of 4.25 TB/s, 2026-12-04)."""
     return fast_dequant(dtype, torch.device(device))
 
 

@@ -85,7 +85,7 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, cursor_ptr, P, E, NUM_BLOCKS, B
 ALIGN_CHUNK = 2048  # pairs histogrammed and placed at a time (decode batches up to 256 tokens x 8 in one chunk)
 ALIGN_SLOTS = 1024  # slots / tiles written at a time
 # Placing pairs by atomic cursors replaced a stable sort of each chunk (its order within an expert changed no
-# output). H200, docs/benchmarks.md v14: align_pairs 36.0 -> 18.9 us at 2048 pairs, 14.1 -> 11.6 at 512.
+# output). H200, 2026-12-04: align_pairs 36.0 -> 18.9 us at 2048 pairs, 14.1 -> 11.6 at 512.
 
 
 def align_pairs(topk_ids: Tensor, experts: int, block_m: int) -> tuple[Tensor, Tensor, int]:

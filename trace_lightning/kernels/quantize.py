@@ -171,7 +171,7 @@ def _nvfp4_chunk(x, k0, rows, g, inv_g, words_ptr, scales_ptr, dq_ptr, R, K, GLO
         amax_bits = block_amax_bits(x)
     byte, r, bad = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], GLOBAL != GLOBAL_NONE)
     # a given global scale can make r overflow to inf (0 * inf is NaN, code 7): each element is checked then (a
-    # branch on whether any r of the program overflows made the kernel 2.3x slower on an H200: v14)
+    # branch on whether any r of the program overflows made the kernel 2.3x slower on an H200, 2026-12-04)
     words, value = block_words(x, r, None if GLOBAL == GLOBAL_GIVEN else bad, GLOBAL == GLOBAL_GIVEN,
                                GLOBAL != GLOBAL_ROW)
     _store_words(words_ptr, words, rows, k0, R, K, 2, NB, WORDS, TILED)
@@ -304,7 +304,7 @@ def _launch_shape(R: int, K: int, device: torch.device, per_thread: int = 64) ->
     """(BLOCK_R, BLOCK_K, warps): whole rows up to 8192 wide (one pass: the row-global mode would otherwise
     read each row twice), about per_thread elements a thread, and few enough rows per program that a
     decode-sized activation ([64, 2048]) still spreads over the chip instead of 4 programs walking it.
-    H200 (tools/sweep_quant.py, docs/benchmarks.md v14), one row of 8192 a program: 64 elements a thread for
+    H200 (tools/sweep_quant.py, 2026-12-04), one row of 8192 a program: 64 elements a thread for
     the quantizers (NVFP4 rows 59 -> 74% of the copy ceiling against 32), 32 for those that also write the
     dequantized values (67% against 45%)."""
     block_k = triton.next_power_of_2(K) if K <= 8192 else 256

@@ -17,7 +17,7 @@ pair 3 ``(rotl(K, 2) & 0x00400040) | (rotl(K, 10) & 0x81808180)``.
 Tiles: a GEMM program reads, per K step, BLOCK_N rows of 64 packed bytes, which row-major storage scatters at
 one-row strides (K / 2 bytes apart), and 8 scale bytes per row at K / 16 strides. On the H200 the same loop over
 the same bytes ran at 45% of the copy ceiling row-major and 69% with each program's tile one contiguous run
-(tools/probe_layout.py, docs/benchmarks.md v12). So GEMM weights are also held in tiles of TILE_ROWS rows x
+(tools/probe_layout.py, H200 2026-12-03). So GEMM weights are also held in tiles of TILE_ROWS rows x
 TILE_BYTES packed bytes (128 codes), each tile contiguous and row-major inside, and their scales in tiles of
 TILE_ROWS x TILE_BYTES / 8 bytes: a pure permutation of whole 4-byte words (it commutes with the word bits).
 """
