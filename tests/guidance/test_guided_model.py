@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 
 from trace_lightning.guidance import FakeQuantHook, GuidedHook, QuantRecord, collate_records
-from trace_lightning.guidance.hook import quantize_weight
 from trace_lightning.model import QuantHook
-from trace_lightning.quant import guided_quantize, parse_format
+from trace_lightning.quant import guided_quantize, parse_format, quantize_weight
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams
 from trace_lightning.rollout.convert import quantize_weight as engine_quantize_weight
 

@@ -160,10 +160,9 @@ def test_trainer_forward_values_are_the_same_under_cudas_division_rule() -> None
     x = _inputs()[0]
     gen = torch.Generator().manual_seed(1)
     ref = parse_format("nvfp4").quantize(x + 0.01 * torch.randn(x.shape, generator=gen))
-    hook = FakeQuantHook("nvfp4")
     w = torch.randn(4, 96, 64, generator=gen)
     paths = [lambda: fake_quantize(x, "nvfp4"), lambda: guided_quantize(x, ref, "parity").codes(),
-             lambda: hook.weight(w, layer=0, name="w")]
+             lambda: FakeQuantHook("nvfp4").weight(w, layer=0, name="w")]  # a fresh hook: no step's cache
     scalar_divisions = []
     for path in paths:
         plain = path()

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from trace_lightning.guidance.record import BatchRecord, format_name
 from trace_lightning.model import QuantHook
-from trace_lightning.quant import FP4Format, fake_quantize, parse_format, quantize_weight
+from trace_lightning.quant import FakeQuantCache, FP4Format, fake_quantize, parse_format
 from trace_lightning.quant.guided import check_guidance_mode
 
 
@@ -101,8 +101,10 @@ class _FP4TrainHook(FiniteCheckHook):
     """Shared by both hooks: weight fake-quant, the finite check and the optional audit."""
 
     def __init__(self, fmt: FP4Format | str, audit: BatchRecord | None = None,
-                 valid_mask: Tensor | None = None) -> None:
+                 valid_mask: Tensor | None = None, weights: FakeQuantCache | None = None) -> None:
         super().__init__()
+        self.weights = FakeQuantCache() if weights is None else weights
+        """Fake-quantized weights; the trainer passes one cache to all micro-batches of a step."""
         self.fmt = parse_format(fmt)
         self.weight_fmt = self.fmt.for_weights()
         self.valid_mask = None if valid_mask is None else valid_mask.bool()
@@ -116,7 +118,7 @@ class _FP4TrainHook(FiniteCheckHook):
 
     def weight(self, w: Tensor, *, layer: int, name: str) -> Tensor:
         # Rounding to the per-matrix quantization's own codes is plain RNE fake-quant, with its STE gradient.
-        return fake_quantize(w, self.weight_fmt, quantize_weight(w.detach(), self.weight_fmt), "full")
+        return self.weights.fake_quantize(w, self.weight_fmt, layer=layer, name=name)
 
     def _mask(self, record: BatchRecord, x: Tensor, layer: int, site: str) -> Tensor:
         """Positions where `record` may be used: recorded and (if given) real tokens."""
@@ -177,8 +179,8 @@ class FakeQuantHook(_FP4TrainHook):
     """Plain RNE fake-quant with training's own scales at every site and weight (the ``fp4_qat`` baseline)."""
 
     def __init__(self, fmt: FP4Format | str, *, audit: BatchRecord | None = None,
-                 valid_mask: Tensor | None = None) -> None:
-        super().__init__(fmt, audit, valid_mask)
+                 valid_mask: Tensor | None = None, weights: FakeQuantCache | None = None) -> None:
+        super().__init__(fmt, audit, valid_mask, weights)
 
     def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
         self.check_finite(x, layer, site)
@@ -196,13 +198,14 @@ class GuidedHook(_FP4TrainHook):
     """
 
     def __init__(self, fmt: FP4Format | str, batch_record: BatchRecord, mode: str | None = None,
-                 valid_mask: Tensor | None = None, *, audit: bool | BatchRecord = False) -> None:
+                 valid_mask: Tensor | None = None, *, audit: bool | BatchRecord = False,
+                 weights: FakeQuantCache | None = None) -> None:
         self.mode = check_guidance_mode(mode or batch_record.mode)
         if self.mode == "full" and batch_record.mode == "parity":
             raise ValueError("guidance mode 'full' needs full records, the batch record holds parity bits only")
         if audit is True and batch_record.mode != "full":
             raise ValueError("audit=True needs a full batch record; pass the full audit BatchRecord instead")
-        super().__init__(fmt, batch_record if audit is True else audit or None, valid_mask)
+        super().__init__(fmt, batch_record if audit is True else audit or None, valid_mask, weights)
         if batch_record.fmt != self.fmt:
             raise ValueError(f"batch record is {format_name(batch_record.fmt)}, training uses {format_name(self.fmt)}")
         if valid_mask is not None and tuple(valid_mask.shape) != tuple(batch_record.valid.shape):

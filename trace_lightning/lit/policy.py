@@ -33,7 +33,7 @@ from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
 from trace_lightning.model import CharTokenizer, MoEConfig, QuantHook, Transformer, load_hf, load_tokenizer
 from trace_lightning.model.cast import weights_cast_as_they_run
-from trace_lightning.quant import parse_format
+from trace_lightning.quant import FakeQuantCache, parse_format
 from trace_lightning.rl import (
     ADVANTAGES,
     CORRECTIONS,
@@ -172,6 +172,8 @@ class PolicyModule(L.LightningModule):
             self, "worker", RolloutWorker(self.policy, self.tokenizer, self.method, self.trace, self.rollout_cfg)
         )
         self._eval_workers: dict[str, RolloutWorker] = {}
+        self._step_weights = FakeQuantCache()
+        """The fake-quantized weights of the step in progress, shared by its micro-batches (cleared after it)."""
         self.batch_s = 0.0
         """Wall seconds the data module took to make this step's batch (problems, rollout, scoring, alignment)."""
         self._last_step_start: float | None = None
@@ -233,7 +235,10 @@ class PolicyModule(L.LightningModule):
         self._step_tokens = int(batch.attention_mask.sum())
         optimizer, step = self.optimizers(), self.global_step
         optimizer.zero_grad()
-        out = self.supervised_step(batch) if isinstance(batch, DemoBatch) else self.rl_step(batch)
+        try:
+            out = self.supervised_step(batch) if isinstance(batch, DemoBatch) else self.rl_step(batch)
+        finally:
+            self._step_weights.clear()  # frees them before the next rollout
         optimizer.step()  # counts the step: global_step is step + 1 from here
         self._log_train_time(step)
         return out
@@ -267,10 +272,12 @@ class PolicyModule(L.LightningModule):
     def training_hook(self, batch: TrainBatch) -> QuantHook | None:
         valid = batch.attention_mask[:, :-1]
         audit = batch.audit_record if batch.audit_record is not None else False
+        # FSDP gathers each weight anew per forward, so there a micro-batch quantizes its own.
+        weights = None if isinstance(self.policy.tok_embeddings.weight, DTensor) else self._step_weights
         if self.method.train_quant == "guided" and batch.record is not None:
-            return GuidedHook(self.fmt, batch.record, self.method.guidance_mode, valid, audit=audit)
+            return GuidedHook(self.fmt, batch.record, self.method.guidance_mode, valid, audit=audit, weights=weights)
         if self.method.train_quant in ("qat", "guided"):
-            return FakeQuantHook(self.fmt, audit=audit or None, valid_mask=valid)
+            return FakeQuantHook(self.fmt, audit=audit or None, valid_mask=valid, weights=weights)
         return None
 
     def training_forward(self, batch: TrainBatch, hook: QuantHook | None) -> tuple[Tensor, list[Tensor]]:

@@ -1,0 +1,130 @@
+"""Where the training step's time goes: one RL micro-step (forward, token logprobs, backward) of a preset, per variant.
+
+Run: python tools/bench_train.py --preset medium-moe --micro-batch 4 --seq 1050   (CUDA; the CPU works, slowly)
+The forward is the policy's own (`Transformer`), with the hook the method trains with: none (bf16: the finite check
+only) or FP4 fake quantization of weights and activations (fp4_qat; trace_compact's guided forward costs the same
+quantizer plus the record's codes), its weights quantized each micro-step or once a step (`step cache`, as the fit
+runs it: the timed micro-steps reuse the warm-up's). Variants: the MoE's expert GEMMs as a loop over experts or as
+one grouped GEMM, and fp32 matmuls in full fp32 or TF32. Prints ms a micro-step, tokens/s, peak GiB, and each
+variant's largest logprob difference from the first; `--profile` adds the first variant's largest kernels and host
+ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from trace_lightning.guidance.hook import FakeQuantHook, FiniteCheckHook
+from trace_lightning.model import model as model_module
+from trace_lightning.model.hooks import QuantHook
+from trace_lightning.model.model import Transformer
+from trace_lightning.quant import FakeQuantCache
+from trace_lightning.rl.logprobs import token_logprobs
+
+VARIANTS = {  # name: (expert GEMMs grouped, fp32 matmul precision)
+    "loop, fp32": (False, "highest"),
+    "grouped, fp32": (True, "highest"),
+    "grouped, tf32": (True, "high"),
+}
+
+
+def micro_step(policy: Transformer, tokens: torch.Tensor, hook_factory: Callable[[], QuantHook]) -> torch.Tensor:
+    hook = hook_factory()
+    hook.deferred = True  # as the training forward runs it: one host sync after the forward, not one a site
+    logits = policy(tokens[:, :-1], hook=hook)
+    logprobs = token_logprobs(logits.float(), tokens[:, 1:])
+    (-logprobs.mean()).backward()
+    return logprobs.detach()
+
+
+def timed(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    out = fn()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps, out
+
+
+def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> None:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", default="medium-moe")
+    parser.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep)")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1050, help="tokens a sequence (prompt + response)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--hooks", nargs="*", default=["none", "fake_quant", "fake_quant, step cache"],
+                        choices=["none", "fake_quant", "fake_quant, step cache"])
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    overrides = {"n_layers": args.layers} if args.layers else {}
+    policy = Transformer.from_name(args.preset, **overrides).to(device)
+    tokens = torch.randint(0, policy.config.vocab_size, (args.micro_batch, args.seq), device=device)
+    step_weights = FakeQuantCache()  # as the fit shares it over a step's micro-batches (the timed ones reuse it)
+    hooks: dict[str, Callable[[], QuantHook]] = {
+        "none": FiniteCheckHook,
+        "fake_quant": lambda: FakeQuantHook("nvfp4"),
+        "fake_quant, step cache": lambda: FakeQuantHook("nvfp4", weights=step_weights),
+    }
+    same_dtype = lambda x, w: x.dtype == w.dtype  # noqa: E731  (the grouped GEMM for fp32 on CUDA too)
+    n_tokens = args.micro_batch * (args.seq - 1)
+    print(f"{args.preset}, {policy.config.n_layers} layers, micro-batch {args.micro_batch} x {args.seq} tokens, "
+          f"{device}: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    print("| hook | variant | ms a micro-step | tokens/s | peak GiB | max abs logprob diff from the first |")
+    print("|---|---|---:|---:|---:|---:|")
+    grouped_default = model_module._use_grouped_mm
+    for hook_name in args.hooks:
+        first: torch.Tensor | None = None
+        for variant in args.variants:
+            grouped, precision = VARIANTS[variant]
+            model_module._use_grouped_mm = same_dtype if grouped else (lambda x, w: False)  # noqa: ARG005
+            for experts in (layer.moe.experts for layer in policy.layers):
+                experts.use_grouped_mm = grouped
+            torch.set_float32_matmul_precision(precision)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            policy.zero_grad(set_to_none=True)
+            step_weights.clear()
+            step = partial(micro_step, policy, tokens, hooks[hook_name])
+            try:
+                seconds, logprobs = timed(step, args.reps, device)
+            except torch.OutOfMemoryError:
+                print(f"| {hook_name} | {variant} | out of memory | | | |")
+                continue
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            diff = 0.0 if first is None else float((logprobs - first).abs().max())
+            first = logprobs if first is None else first
+            print(f"| {hook_name} | {variant} | {seconds * 1e3:.1f} | {n_tokens / seconds:,.0f} | {peak:.1f} | "
+                  f"{diff:.2e} |", flush=True)
+            if args.profile and variant == args.variants[0]:
+                top_ops(step, device, 25)
+    model_module._use_grouped_mm = grouped_default
+    torch.set_float32_matmul_precision("highest")
+
+
+if __name__ == "__main__":
+    main()
