@@ -10,7 +10,7 @@ from trace_lightning.envs import make_env
 from trace_lightning.lit import worker as worker_module
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.policy import PolicyModule
-from trace_lightning.lit.record_placement import DEVICE_SHARE, record_goes_to_host
+from trace_lightning.lit.record_placement import FREE_SHARE, TOTAL_SHARE, record_goes_to_host
 
 GPU, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -20,11 +20,20 @@ def unread() -> int:
 
 
 def test_auto_streams_a_record_that_would_take_over_a_quarter_of_free_gpu_memory() -> None:
-    free = 80 * 2**30
-    assert DEVICE_SHARE == 0.25
-    assert record_goes_to_host("auto", GPU, 26 * 2**30, lambda: free)  # every layer's parity record at 256 x 768
-    assert not record_goes_to_host("auto", GPU, 19 * 2**30, lambda: free)
+    card = (100 * 2**30, 1000 * 2**30)  # (free, total): only the free memory binds
+    assert FREE_SHARE == 0.25
+    assert record_goes_to_host("auto", GPU, 26 * 2**30, lambda: card)  # every layer's parity record at 256 x 768
+    assert not record_goes_to_host("auto", GPU, 24 * 2**30, lambda: card)
     assert not record_goes_to_host("auto", GPU, 0, unread)
+
+
+def test_auto_streams_a_record_that_would_take_over_a_twentieth_of_the_card() -> None:
+    """The 2026-12-06 H100 fit: medium-moe's parity records at 256 x 1024 tokens, 7.8 GB, were under a quarter of the
+    free memory at the rollout and ran the training step out of memory."""
+    h100 = (60 * 2**30, 80 * 2**30)
+    assert TOTAL_SHARE == 0.05
+    assert record_goes_to_host("auto", GPU, int(7.8e9), lambda: h100)
+    assert not record_goes_to_host("auto", GPU, 3 * 2**30, lambda: h100)  # small-moe's fit: stays where it is read
 
 
 def test_an_explicit_setting_and_a_cpu_are_not_measured() -> None:
@@ -46,7 +55,7 @@ def test_the_worker_asks_once_per_shape_with_the_engines_planned_record(monkeypa
     worker.record_layers = list(range(worker.engine.config.n_layers))
     asked = []
 
-    def choose(setting: object, device: torch.device, record_bytes: int, free: object) -> bool:
+    def choose(setting: object, device: torch.device, record_bytes: int, memory: object) -> bool:
         asked.append(record_bytes)
         return True
 

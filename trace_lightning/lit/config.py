@@ -62,7 +62,8 @@ class TraceConfig:
     records_on_host: bool | Literal["auto"] = "auto"
     """Stream the rollout's records to host memory while decoding (device memory then stays bounded however long
     the responses; training copies each batch's record back to the device). auto: stream a rollout's record when,
-    kept on the GPU, it would take more than a quarter of the device's free memory (lit/record_placement.py)."""
+    kept on the GPU, it would take more than a quarter of the device's free memory or a twentieth of all of it
+    (lit/record_placement.py)."""
     sites: list[str] | None = None
     """Activation sites the record keeps in the chosen layers (attn_in, k, v, attn_out, moe_in, moe_down,
     shared_down); None: all. Unrecorded sites round to nearest on their own scales, as fp4_qat does."""

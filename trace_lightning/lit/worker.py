@@ -24,7 +24,7 @@ from trace_lightning.envs import Env, MultiTurnEnv, Problem, score_responses
 from trace_lightning.lit.batch import TrainBatch, pad_sequences, place, response_targets
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.episodes import multiturn_predict, multiturn_rollout
-from trace_lightning.lit.record_placement import cuda_free_bytes, record_goes_to_host
+from trace_lightning.lit.record_placement import cuda_memory, record_goes_to_host
 from trace_lightning.methods import MethodSpec
 from trace_lightning.model import Transformer
 from trace_lightning.quant import parse_format
@@ -125,7 +125,7 @@ class RolloutWorker(L.LightningModule):
         if shape not in self._record_placement:  # once per shape: a flip would rebuild the kept decode session
             record = self.engine.memory_plan(len(prompts), max_len, spec).records
             self._record_placement[shape] = record_goes_to_host(setting, self.engine.device, record,
-                                                                cuda_free_bytes(self.engine.device))
+                                                                cuda_memory(self.engine.device))
         return self._record_placement[shape]
 
     def generate(
