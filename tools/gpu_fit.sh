@@ -12,7 +12,7 @@
 #   6. (part `methods`, not in `all`) bf16, fp4_qat and trace_compact from one shared warm start, RL_STEPS each
 #      (tools/run_methods.py, resumable: call it again on the same warm machine and it goes on where the last call's
 #      time limit stopped it); results.md's GPU section, its figures and the per-method JSON come back in $OUT;
-#   8. (part `long`, not in `all`) conf/gpu_long.yaml, the rollout-dominated fit: 20 warm-start steps (LONG_WARMUP), then RL_STEPS RL
+#   8. (part `long`, not in `all`) conf/gpu_long.yaml, the long-response fit: 20 warm-start steps (LONG_WARMUP), then RL_STEPS RL
 #      steps of 256 x 1024-token rollouts, for each METHOD in turn (default trace_compact then bf16), same seed; the
 #      step-time breakdown of each as a table;
 #   7. (part `frontier`, not in `all`) k3_kl against record bytes/token over the layer policies (tools/mismatch_table.py
@@ -80,7 +80,7 @@ fi
 if [ "$PART" = long ]; then
   for METHOD in $LONG_METHODS; do
     WARM=${LONG_WARMUP:-20}
-    echo "## 8. the rollout-dominated fit (conf/gpu_long.yaml), $METHOD: $WARM warm-start + $RL RL steps"
+    echo "## 8. the long-response fit (conf/gpu_long.yaml), $METHOD: $WARM warm-start + $RL RL steps"
     rm -rf runs/gpu
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout ${LONG_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
       --config conf/gpu_long.yaml --config "conf/method/$METHOD.yaml" --trainer.max_steps $((WARM + RL)) \

@@ -22,7 +22,7 @@ def test_gpu_config_stacks_on_sim() -> None:
 
 
 def test_long_gpu_config_stacks_on_gpu_with_long_responses_and_micro_batches() -> None:
-    """conf/gpu_long.yaml: the rollout-dominated fit (medium-moe, 256 x 1024-token responses, micro-batched)."""
+    """conf/gpu_long.yaml: the long-response fit (medium-moe, 256 x 1024-token responses, micro-batched)."""
     parser = main(["--config", str(CONF / "sim.yaml")], run=False).parser
     ns = parser.parse_args([arg for name in ("sim.yaml", "gpu.yaml", "gpu_long.yaml")
                             for arg in ("--config", str(CONF / name))])

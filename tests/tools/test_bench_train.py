@@ -1,0 +1,26 @@
+"""tools/bench_train.py runs the training micro-step per variant on the CPU, and its expert-GEMM variants compute the
+same logprobs (the grouped GEMM the fits use against the loop over experts)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_train_rows_and_identical_logprobs() -> None:
+    out = subprocess.run(
+        [sys.executable, "tools/bench_train.py", "--preset", "debug-moe", "--micro-batch", "2", "--seq", "24",
+         "--reps", "1", "--device", "cpu", "--variants", "loop, fp32", "grouped, fp32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    lines = [line for line in out.splitlines() if line.startswith("| ") and "ms a micro-step" not in line]
+    rows = [line.split("|")[1:-1] for line in lines]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        (hook, variant) for hook in ("none", "fake_quant", "fake_quant, step cache")
+        for variant in ("loop, fp32", "grouped, fp32")
+    ]
+    assert all(float(r[2]) > 0 for r in rows)
+    assert all(float(r[5]) == 0.0 for r in rows)  # grouped against loop, each hook: the same logprobs to the bit
