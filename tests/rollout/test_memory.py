@@ -122,6 +122,25 @@ def test_max_batch_with_the_workspace_is_the_largest_plan_within_the_budget(mode
     assert engine.memory_plan(n + 1, 128, capture, prompt_len=64, workspace=True).total + reserve > budget
 
 
+def test_the_dense_prefill_paths_workspace_is_planned(model: Transformer) -> None:
+    """A forward past prefill_dense_from dequantizes weights for dense GEMMs: its workspace has its own line, probed
+    on forwards that take that path. The FP4 kernels' line (probed at 16 and 32 rows of 16 positions, under the
+    threshold) misplans it (on the sim, whose FP4 path dequantizes too, it over-counts; on a GPU it would under-count
+    the dense path's dequantized weights)."""
+    engine = Engine(copy.deepcopy(model), FP4Precision(), backend="sim", cuda_graph=False, prefill_dense_from=2048)
+    capture, rows, tokens = CaptureSpec(mode="parity"), 160, 16  # 2,560 positions: the dense path
+    measured = engine._measure_forward(rows, tokens, capture)
+    r, at_r, per_row = engine._workspace_line(tokens, capture)
+    assert abs(at_r + per_row * (rows - r) - measured) > rows  # the kernels' line alone is off by more than rounding
+    assert measured <= engine.workspace_bytes(rows, tokens, capture) <= measured + rows
+    below = engine.workspace_bytes(100, tokens, capture)  # 1,600 positions: the FP4 kernels
+    assert below == at_r + per_row * (100 - r)
+    budget, reserve = engine.weight_bytes() + 3 * measured, 2**20
+    n = engine.max_batch(24, budget, capture=capture, reserve_bytes=reserve, prompt_len=tokens, workspace=True)
+    assert engine.memory_plan(n, 24, capture, prompt_len=tokens, workspace=True).total + reserve <= budget
+    assert engine.memory_plan(n + 1, 24, capture, prompt_len=tokens, workspace=True).total + reserve > budget
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", FP4Precision(compute_dtype="bf16")], ids=["bf16", "fp4"])
 def test_a_generate_calls_peak_is_within_its_plan_on_cuda(base_model: Transformer, precision: object) -> None:

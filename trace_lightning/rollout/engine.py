@@ -129,11 +129,12 @@ class Engine:
             raise ValueError(f"prefill_dense_from must be None or an integer >= 1, got {prefill_dense_from!r}")
         for module, _ in self._fp4_weights.values():  # forwards of this many tokens (prefills) run dense GEMMs
             module.dense_from = prefill_dense_from
+        self.prefill_dense_from = prefill_dense_from if self._fp4_weights else None
         if prefill_chunk is not None and (not _is_integer(prefill_chunk) or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
         self.exact = self._exact_forward(exact)
-        self._workspace: dict[tuple[int, RecordLayout | None], tuple[int, int, int]] = {}  # workspace_bytes' line
+        self._workspace: dict[tuple[int, RecordLayout | None, bool], tuple[int, int, int]] = {}  # workspace lines
 
     # ---- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -521,18 +522,31 @@ class Engine:
         and 2r rows, r the rows of >= WORKSPACE_PROBE_TOKENS positions (at least 8), and extrapolated in the rows,
         whose work is independent: the peak is the largest of a few terms linear in the rows, and past a few rows
         the steepest dominates (the sim's per-call weight dequantization, say, only below that). Below r rows: the
-        r-row figure. Cached per (tokens, record layout)."""
-        r, at_r, per_row = self._workspace_line(tokens, capture)
+        r-row figure. A forward that takes the dense prefill path (rows x tokens >= prefill_dense_from) has its own
+        line, probed on forwards that take it too. Cached per (tokens, record layout, path)."""
+        r, at_r, per_row = self._workspace_line(tokens, capture, self._takes_dense_path(rows, tokens))
         return at_r + per_row * max(rows - r, 0)
 
-    def _workspace_line(self, tokens: int, capture: CaptureSpec | None) -> tuple[int, int, int]:
-        """(probe rows r, bytes at r rows, bytes per further row) of a forward of `tokens` positions."""
-        key = (tokens, self.record_layout(capture))
+    def _takes_dense_path(self, rows: int, tokens: int) -> bool:
+        """Whether a forward of rows x tokens positions runs dense GEMMs on dequantized weights (prefill_dense_from)."""
+        return self.prefill_dense_from is not None and rows * tokens >= self.prefill_dense_from
+
+    def _workspace_line(self, tokens: int, capture: CaptureSpec | None, dense: bool = False) -> tuple[int, int, int]:
+        """(probe rows r, bytes at r rows, bytes per further row) of a forward of `tokens` positions; `dense`: of
+        the forwards that take the dense prefill path (probed at r rows that take it)."""
+        key = (tokens, self.record_layout(capture), dense)
         if key not in self._workspace:
             r = max(8, -(-WORKSPACE_PROBE_TOKENS // tokens))
+            if dense:
+                r = max(r, self._dense_rows(tokens))
             at_r, at_2r = (self._measure_forward(rows, tokens, capture) for rows in (r, 2 * r))
             self._workspace[key] = (r, at_r, max(at_2r - at_r, 0) // r)
         return self._workspace[key]
+
+    def _dense_rows(self, tokens: int) -> int:
+        """The fewest rows whose forward of `tokens` positions takes the dense prefill path."""
+        assert self.prefill_dense_from is not None
+        return -(-self.prefill_dense_from // tokens)
 
     @torch.inference_mode()
     def _measure_forward(self, rows: int, tokens: int, capture: CaptureSpec | None) -> int:
@@ -558,8 +572,19 @@ class Engine:
         if not workspace:
             return memory.largest_batch(per_sequence, one.weights, budget_bytes, reserve_bytes)
         prompt = max_len if prompt_len is None else prompt_len
-        return min(self._largest_with(self._workspace_line(t, capture), per_sequence, one.weights, budget_bytes,
-                                      reserve_bytes) for t in self._forward_lengths(prompt))
+        return min(self._largest_for(t, capture, per_sequence, one.weights, budget_bytes, reserve_bytes)
+                   for t in self._forward_lengths(prompt))
+
+    def _largest_for(self, tokens: int, capture: CaptureSpec | None, per_sequence: int, weights: int, budget: int,
+                     reserve: int) -> int:
+        """The largest batch that fits with the workspace of its forwards of `tokens` positions: below the dense
+        prefill path's rows the FP4 kernels' line, from them on the dense path's (its dequantized weights)."""
+        n = self._largest_with(self._workspace_line(tokens, capture), per_sequence, weights, budget, reserve)
+        if self.prefill_dense_from is None or n < self._dense_rows(tokens):
+            return n
+        dense = self._largest_with(self._workspace_line(tokens, capture, dense=True), per_sequence, weights, budget,
+                                   reserve)
+        return dense if dense >= self._dense_rows(tokens) else self._dense_rows(tokens) - 1
 
     @staticmethod
     def _largest_with(line: tuple[int, int, int], per_sequence: int, weights: int, budget: int, reserve: int) -> int:
