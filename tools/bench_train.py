@@ -3,7 +3,8 @@
 Run: python tools/bench_train.py --preset medium-moe --micro-batch 4 --seq 1050   (CUDA; the CPU works, slowly)
 The forward is the policy's own (`Transformer`), with the hook the method trains with: none (bf16: the finite check
 only) or FP4 fake quantization of weights and activations (fp4_qat; trace_compact's guided forward costs the same
-quantizer plus the record's codes), its weights quantized each micro-step or once a step (`step cache`, as the fit
+quantizer plus the record's codes) by the fused kernels (on CUDA) or by the reference's torch ops, its weights
+quantized each micro-step or once a step (`step cache`, as the fit
 runs it: the timed micro-steps reuse the warm-up's). Variants: the MoE's expert GEMMs as a loop over experts or as
 one grouped GEMM, and fp32 matmuls in full fp32 or TF32. Prints ms a micro-step, tokens/s, peak GiB, and each
 variant's largest logprob difference from the first; `--profile` adds the first variant's largest kernels and host
@@ -25,6 +26,7 @@ from trace_lightning.model import model as model_module
 from trace_lightning.model.hooks import QuantHook
 from trace_lightning.model.model import Transformer
 from trace_lightning.quant import FakeQuantCache
+from trace_lightning.quant import fake as fake_module
 from trace_lightning.rl.logprobs import token_logprobs
 
 VARIANTS = {  # name: (expert GEMMs grouped, fp32 matmul precision)
@@ -73,7 +75,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1050, help="tokens a sequence (prompt + response)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--hooks", nargs="*", default=["none", "fake_quant", "fake_quant, step cache"],
-                        choices=["none", "fake_quant", "fake_quant, step cache"])
+                        choices=["none", "fake_quant", "fake_quant, step cache", "fake_quant, step cache, torch ops"])
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +90,9 @@ def main() -> None:
         "none": FiniteCheckHook,
         "fake_quant": lambda: FakeQuantHook("nvfp4"),
         "fake_quant, step cache": lambda: FakeQuantHook("nvfp4", weights=step_weights),
+        "fake_quant, step cache, torch ops": lambda: FakeQuantHook("nvfp4", weights=step_weights),
     }
+    fused_default = fake_module._fused_wanted
     same_dtype = lambda x, w: x.dtype == w.dtype  # noqa: E731  (the grouped GEMM for fp32 on CUDA too)
     n_tokens = args.micro_batch * (args.seq - 1)
     print(f"{args.preset}, {policy.config.n_layers} layers, micro-batch {args.micro_batch} x {args.seq} tokens, "
@@ -98,6 +102,8 @@ def main() -> None:
     grouped_default = model_module._use_grouped_mm
     for hook_name in args.hooks:
         first: torch.Tensor | None = None
+        # "torch ops": the reference quantizer's ops instead of the fused fake-quant kernels (the path before them)
+        fake_module._fused_wanted = (lambda x: False) if hook_name.endswith("torch ops") else fused_default  # noqa: ARG005
         for variant in args.variants:
             grouped, precision = VARIANTS[variant]
             model_module._use_grouped_mm = same_dtype if grouped else (lambda x, w: False)  # noqa: ARG005

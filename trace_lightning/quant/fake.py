@@ -30,7 +30,25 @@ def quantize(x: Tensor, fmt: FP4Format | str, ref: BlockFP4 | None = None, mode:
 def fake_quantized(x: Tensor, fmt: FP4Format, ref: BlockFP4 | None = None,
                    mode: str | None = None) -> tuple[Tensor, Tensor]:
     """(dequantized FP4 value of x in x's dtype, where the scaled x lay inside E2M1's range): what the straight-through
-    estimate needs, computed without a gradient."""
+    estimate needs, computed without a gradient. On a GPU one fused kernel computes it (trace_lightning.kernels
+    .fake_quant, bit for bit reference_fake_quantized's) where it applies; the reference otherwise."""
+    if _fused_wanted(x):
+        from trace_lightning.kernels.fake_quant import fused_fake_quantized  # Triton: imported where it runs
+
+        fused = fused_fake_quantized(x, fmt, ref, mode)
+        if fused is not None:
+            return fused
+    return reference_fake_quantized(x, fmt, ref, mode)
+
+
+def _fused_wanted(x: Tensor) -> bool:
+    """Whether to try the fused kernel: on CUDA tensors (tests set it for the CPU, under Triton's interpreter)."""
+    return x.is_cuda
+
+
+def reference_fake_quantized(x: Tensor, fmt: FP4Format, ref: BlockFP4 | None = None,
+                             mode: str | None = None) -> tuple[Tensor, Tensor]:
+    """fake_quantized from the quantizer's own torch ops (the definition the fused kernel is tested against)."""
     q = quantize(x, fmt, ref, mode)
     inside = q.scale_input(split_blocks(x, q.block_size)).abs() <= E2M1_MAX
     return q.dequantize(x.dtype), inside.reshape(x.shape)
@@ -48,7 +66,7 @@ class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (inside,) = ctx.saved_tensors
-        return grad * inside.to(grad.dtype), None, None
+        return torch.where(inside, grad, 0.0), None, None  # one pass, no float copy of the mask
 
 
 def fake_quantize(x: Tensor, fmt: FP4Format | str, ref: BlockFP4 | None = None, mode: str | None = None) -> Tensor:

@@ -1,0 +1,139 @@
+"""Training-side NVFP4 fake quantization in one pass (Triton), byte for byte trace_lightning.quant.fake_quantized.
+
+The reference builds a site's straight-through value from some thirty elementwise torch ops (scales, codes, packing,
+unpacking, a table lookup, the dequantize, then the scaled input again for the clamp mask), each a pass over the
+activation; a training forward runs it at every FP4 site of every layer. Here one kernel reads x (and the record's
+codes and scales) once and writes the two tensors the straight-through estimate needs: the dequantized value, in
+x's dtype, and whether the scaled x lay inside E2M1's range.
+
+- plain (fp4_qat, sites without a record): kernels.quantize's row-global quantizer writes the codes and scales,
+  which the guided kernel then takes as a `full` record;
+- guided (trace, trace_compact, and the weights' own codes): the record's scales and row globals map x into E2M1
+  units in the quantizer's order (x * ((1 / global) / scale)); `full` takes the record's codes, `parity` the nearest
+  magnitude of the recorded mantissa bit (ties to the smaller); a block whose x holds NaN or inf dequantizes to NaN
+  with a mask of False (guided.mark_nonfinite_blocks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from trace_lightning.kernels._common import sm_count
+from trace_lightning.kernels._fp4 import e2m1_to_f16_scaled, e4m3_to_f32
+from trace_lightning.kernels.quantize import GLOBAL_ROW, _load_blocks, _nvfp4, block_amax_bits, block_offsets
+from trace_lightning.quant import NVFP4, BlockFP4, FP4Format
+from trace_lightning.quant.guided import check_guidance_mode
+
+
+@triton.jit
+def _parity_index(mag, parity):
+    """E2M1 magnitude index of the given parity nearest to mag (ties to the smaller; NaN: 0 or 1): quant.guided."""
+    even = ((mag > 0.5).to(tl.int32) + (mag > 1.5).to(tl.int32) + (mag > 3.0).to(tl.int32)) * 2
+    odd = ((mag > 1.0).to(tl.int32) + (mag > 2.25).to(tl.int32) + (mag > 4.5).to(tl.int32)) * 2 + 1
+    return tl.where(parity != 0, odd, even)
+
+
+@triton.jit
+def _guided_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, dq_ptr, inside_ptr, R, K, HAS_GLOBAL: tl.constexpr,
+                   PARITY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    NB: tl.constexpr = BLOCK_K // 16
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if HAS_GLOBAL:
+        g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
+        inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
+    for k0 in range(0, K, BLOCK_K):
+        x = _load_blocks(x_ptr, rows, k0, R, K, 2, NB)  # [NB, BLOCK_R, 2, 8]
+        nb = k0 // 16 + tl.arange(0, NB)
+        block_mask = (rows[None, :] < R) & (nb[:, None] < K // 16)
+        byte = tl.load(scales_ptr + rows[None, :].to(tl.int64) * (K // 16) + nb[:, None], mask=block_mask, other=0)
+        s = e4m3_to_f32(byte.to(tl.int32))
+        s = tl.where(block_amax_bits(x) >= 0x7F800000, float("nan"), s)  # x's NaN / inf: the NaN scale
+        if HAS_GLOBAL:
+            r = tl.math.div_rn(tl.broadcast_to(inv_g[None, :], s.shape), s)
+            mult = s * g[None, :]
+        else:
+            r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+            mult = s
+        y = x * r[:, :, None, None]
+        word = k0 // 8 + tl.arange(0, NB)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
+        words = tl.load(words_ptr + rows[None, :, None].to(tl.int64) * (K // 8) + word,
+                        mask=(rows[None, :, None] < R) & (word < K // 8), other=0)
+        code = (words[:, :, :, None] >> (4 * tl.arange(0, 8)[None, None, None, :])) & 15
+        if PARITY:
+            negative = (y.to(tl.int32, bitcast=True) < 0).to(tl.int32)
+            code = _parity_index(tl.abs(y), code & 1) | (negative << 3)
+        value = e2m1_to_f16_scaled(code).to(tl.float32) * 16384.0
+        offs, cols = block_offsets(rows, k0, K, 2, NB)
+        mask = (rows[None, :, None, None] < R) & (cols < K)
+        tl.store(dq_ptr + offs, (value * mult[:, :, None, None]).to(dq_ptr.dtype.element_ty), mask=mask)
+        tl.store(inside_ptr + offs, (tl.abs(y) <= 6.0).to(tl.int8), mask=mask)
+
+
+def _launch(R: int, K: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_K, warps): about 4096 elements a program, enough programs to fill the chip."""
+    block_k = min(triton.next_power_of_2(K), 1024)
+    block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
+    while block_r > 1 and triton.cdiv(R, block_r) < 2 * sm_count(device):
+        block_r //= 2
+    return block_r, block_k, max(1, min(8, block_r * block_k // 512))
+
+
+def _rows(t: Tensor, width: int) -> Tensor:
+    return t.reshape(-1, width).contiguous()
+
+
+def _words(packed: Tensor) -> Tensor:
+    """Packed codes [R, K / 2] as int32 words (8 codes each), copied where the view would be misaligned."""
+    if packed.data_ptr() % 4:
+        packed = packed.clone()
+    return packed.view(torch.int32)
+
+
+def guided_fake_quantized(x: Tensor, ref: BlockFP4, mode: str) -> tuple[Tensor, Tensor]:
+    """(value in x's dtype, inside mask) of x rounded with NVFP4 record `ref` in mode "full" or "parity" (Triton);
+    equal to quant.fake_quantized(x, fmt, ref, mode) bit for bit."""
+    check_guidance_mode(mode)
+    if not isinstance(ref, NVFP4):
+        raise ValueError(f"the fused guided quantizer takes an NVFP4 record, got {type(ref).__name__}")
+    if tuple(x.shape) != tuple(ref.shape):
+        raise ValueError(f"input shape {tuple(x.shape)} does not match the record's shape {tuple(ref.shape)}")
+    K = x.shape[-1]
+    x2 = _rows(x, K)
+    R = x2.shape[0]
+    g = ref.global_scale
+    g_rows = None if g is None else torch.broadcast_to(g.float(), (*x.shape[:-1], 1)).reshape(R).contiguous()
+    value = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    inside = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    if R == 0:
+        return value, inside
+    block_r, block_k, warps = _launch(R, K, x.device)
+    _guided_kernel[(triton.cdiv(R, block_r),)](
+        x2, _words(_rows(ref.packed, K // 2)), _rows(ref.scale_bytes(), K // 16),
+        g_rows if g_rows is not None else x2, value, inside.view(torch.int8), R, K, g_rows is not None,
+        mode == "parity", block_r, block_k, num_warps=warps)
+    return value, inside
+
+
+def plain_fake_quantized(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(value in x's dtype, inside mask) of x's row-global NVFP4 (Triton): quant.fake_quantized(x, "nvfp4"). The
+    quantizer writes codes and scales (a ninth of x's bytes), the guided kernel in `full` mode reads them back as
+    the record of x's own rounding."""
+    packed, scales, g = _nvfp4(x, None, GLOBAL_ROW)
+    return guided_fake_quantized(x, NVFP4(packed=packed, scales=scales, global_scale=g.view(*x.shape[:-1], 1)),
+                                 "full")
+
+
+def fused_fake_quantized(x: Tensor, fmt: FP4Format, ref: BlockFP4 | None = None,
+                         mode: str | None = None) -> tuple[Tensor, Tensor] | None:
+    """The fused kernels' (value, inside) where they apply (NVFP4 with a row, matrix or no global scale, a record of
+    NVFP4), else None: the caller then runs the reference."""
+    if fmt.kind != "nvfp4" or x.dim() == 0 or x.shape[-1] % 16 or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if ref is not None:
+        return guided_fake_quantized(x, ref, mode or "parity") if isinstance(ref, NVFP4) else None
+    if fmt.global_scale != "row":
+        return None
+    return plain_fake_quantized(x)
