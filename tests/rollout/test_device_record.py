@@ -10,6 +10,7 @@ import torch
 
 from trace_lightning.model import Transformer
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams
+from trace_lightning.rollout.capture import ring_runs
 
 from .conftest import PROMPTS
 
@@ -125,3 +126,11 @@ def test_dense_prefill_computes_what_the_fp4_kernels_do(base_model: Transformer,
     assert flipped <= 2, flipped  # an fp32 sum in another order can cross a rounding boundary, very rarely
     with pytest.raises(ValueError, match="prefill_dense_from must be None or an integer >= 1"):
         Engine(copy.deepcopy(base_model), precision, prefill_dense_from=0)
+
+
+def test_ring_runs_split_where_positions_or_rows_break() -> None:
+    """Runs of consecutive positions of one output row: a wrapped ring (positions 10, 11 in columns 3, 4 after 12, 13
+    in 0, 1), an unused column, a slot that changed sequence mid-ring, and an empty forward row."""
+    positions = torch.tensor([[12, 13, -1, 10, 11], [5, 6, 7, 0, 1], [-1, -1, -1, -1, -1]])
+    rows = torch.tensor([[0, 0, 0, 0, 0], [2, 2, 2, 3, 3], [1, 1, 1, 1, 1]])
+    assert ring_runs(positions, rows) == [(0, 0, 0, 12, 2), (0, 3, 0, 10, 2), (1, 0, 2, 5, 3), (1, 3, 3, 0, 2)]

@@ -100,6 +100,21 @@ class RowBuffer:
         return self._build((slice(None), slice(0, n)))
 
 
+def ring_runs(positions: Tensor, rows: Tensor) -> list[tuple[int, int, int, int, int]]:
+    """(forward row, first ring column, output row, first position, length) of each run of a ring's columns that
+    holds consecutive positions of one output row; `positions` [B, C] (-1: unused) and `rows` [B, C], on the host."""
+    used = positions >= 0
+    follows = torch.zeros_like(used)
+    follows[:, 1:] = used[:, 1:] & used[:, :-1] & (positions[:, 1:] == positions[:, :-1] + 1) & (
+        rows[:, 1:] == rows[:, :-1])
+    starts = used & ~follows
+    fwd_rows, columns = starts.nonzero(as_tuple=True)
+    run_of = (starts.flatten().cumsum(0) - 1)[used.flatten()]  # runs never cross a forward row: follows[:, 0] is False
+    lengths = torch.bincount(run_of, minlength=len(fwd_rows))
+    return list(zip(fwd_rows.tolist(), columns.tolist(), rows[fwd_rows, columns].tolist(),
+                    positions[fwd_rows, columns].tolist(), lengths.tolist(), strict=True))
+
+
 class Recorder:
     """Writes the requested (layer, site) FP4 rows, packed by ``layout``, and every layer's routes, by token position.
 
@@ -145,7 +160,6 @@ class Recorder:
             self.ring = torch.zeros(fwd_rows, ring, width, dtype=torch.uint8, device=device)
             self.ring_pos = torch.full((fwd_rows, ring), -1, dtype=torch.long, device=device)
             self.ring_row = torch.zeros((fwd_rows, ring), dtype=torch.long, device=device)
-            self.staging = torch.empty(fwd_rows, ring, width, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     def begin(self, length: int) -> None:
         """A generate call of up to `length` positions starts in these buffers (what an earlier call wrote there is
@@ -193,19 +207,27 @@ class Recorder:
         return self.ring, (batch_rows(self.positions) * self.ring.shape[1] + self._columns()).reshape(-1)
 
     def flush(self) -> None:
-        """Copy what the ring holds to the host record (one device sync) and empty it; a no-op without a ring."""
+        """Copy what the ring holds to the host record (one device sync) and empty it; a no-op without a ring.
+
+        Each run of ring columns that holds consecutive positions of one sequence is one contiguous copy, straight
+        into the (pinned) host record, asynchronous on the device's stream: a few hundred copies a check. Gathering
+        the ring on the host and scattering it byte by byte took 14 ms a decode step at 256 rows of 29 KB
+        (medium-moe, every layer's parity record; H100, 2026-12-06), twice the FP4 step itself."""
         if self.ring is None:
             return
         positions = self.ring_pos.cpu()
         used = positions >= 0
         if not bool(used.any()):
             return
-        n = int(used.any(0).nonzero().max()) + 1  # columns 0 .. n-1 hold something
-        staged = self.staging[:, :n]
-        staged.copy_(self.ring[:, :n])
-        rows, used, positions = self.ring_row[:, :n].cpu(), used[:, :n], positions[:, :n]
-        self.data[rows[used], positions[used]] = staged[used]
+        rows = self.ring_row.cpu()
+        for fwd_row, column, row, position, n in ring_runs(positions, rows):
+            self.data[row, position:position + n].copy_(self.ring[fwd_row, column:column + n], non_blocking=True)
         self.ring_pos.fill_(-1)
+
+    def _await_host_copies(self) -> None:
+        """Wait for flush's asynchronous copies before the host reads or writes the record."""
+        if self.ring is not None and self.ring.is_cuda:
+            torch.cuda.current_stream(self.ring.device).synchronize()
 
     def observe_routes(self, routes: list[Tensor]) -> None:
         """Per layer (B, T, K) expert ids of the current forward (and, streaming, where the ring's columns go)."""
@@ -232,6 +254,7 @@ class Recorder:
         missing = sorted(set(self.slots) - self.observed)
         if missing:
             raise RuntimeError(f"record sites {missing} were laid out but never quantized by the forward")
+        self._await_host_copies()
         valid = self.valid(lengths.to(self.data.device))
         data = self.data[:, : self.length]
         data[~valid] = self.layout.pad_row(self.data.device)  # in place: the record is handed over as is (or copied)
