@@ -295,7 +295,7 @@ def write_results(results: list[dict], command: str, name: str, figures: bool) -
     lines.append("")
     path = ROOT / "docs" / "results.md"
     text = path.read_text() if path.exists() else "# Results\n\n"
-    pattern = re.escape(section(name)) + r".*?(?=\n## |\Z)"
+    pattern = re.escape(section(name)) + r".*?(?=\n##+ |\Z)"  # up to the next heading: its subsections are kept
     if re.search(pattern, text, flags=re.S):
         text = re.sub(pattern, lambda _: "\n".join(lines), text, count=1, flags=re.S)
     else:

@@ -136,3 +136,16 @@ def test_paired_differences_are_taken_seed_by_seed() -> None:
     lines = rm.table_lines(rm.aggregate(results), results)
     row = next(line for line in lines if line.startswith("| fp4_qat |"))
     assert row.endswith("| -0.150 +- 0.071 [-0.200, -0.100] | 0.050 +- 0.071 [0.000, 0.100] |")
+
+
+def test_a_report_replaces_its_table_and_keeps_the_sections_reading(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text("# Results\n\n## RL runs, x (tools/run_methods.py)\n\nold table\n\n"
+                                     "### Reading the runs\n\nwritten by hand\n\n## Next\n\nkept too\n")
+    monkeypatch.setattr(rm, "ROOT", tmp_path)
+    rm.write_results([_run("bf16", 0, 0.5, 0.4, 0.6)], "cmd", "x", figures=False)
+    text = (docs / "results.md").read_text()
+    assert "old table" not in text and "| bf16 | 1 |" in text
+    assert "### Reading the runs\n\nwritten by hand" in text and "## Next\n\nkept too" in text
