@@ -4,8 +4,8 @@ Run: python tools/bench_train.py --preset medium-moe --micro-batch 4 --seq 1050 
 The forward is the policy's own (`Transformer`), with the hook the method trains with: none (bf16: the finite check
 only) or FP4 fake quantization of weights and activations (fp4_qat; trace_compact's guided forward costs the same
 quantizer plus the record's codes) by the fused kernels (on CUDA) or by the reference's torch ops, its weights
-quantized each micro-step or once a step (`step cache`, as the fit
-runs it: the timed micro-steps reuse the warm-up's). Variants: the MoE's expert GEMMs as a loop over experts or as
+quantized each micro-step or once a step (`step cache`, as the fit runs it: the timed micro-steps reuse the
+warm-up's). Variants: the MoE's expert GEMMs as a loop over experts or as
 one grouped GEMM, and fp32 matmuls in full fp32 or TF32. Prints ms a micro-step, tokens/s, peak GiB, and each
 variant's largest logprob difference from the first; `--profile` adds the first variant's largest kernels and host
 ops.
@@ -90,8 +90,8 @@ def main() -> None:
         "none": FiniteCheckHook,
         "fake_quant": lambda: FakeQuantHook("nvfp4"),
         "fake_quant, step cache": lambda: FakeQuantHook("nvfp4", weights=step_weights),
-        "fake_quant, step cache, torch ops": lambda: FakeQuantHook("nvfp4", weights=step_weights),
     }
+    hooks["fake_quant, step cache, torch ops"] = hooks["fake_quant, step cache"]  # the same hook, unfused
     fused_default = fake_module._fused_wanted
     same_dtype = lambda x, w: x.dtype == w.dtype  # noqa: E731  (the grouped GEMM for fp32 on CUDA too)
     n_tokens = args.micro_batch * (args.seq - 1)

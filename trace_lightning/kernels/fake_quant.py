@@ -1,4 +1,4 @@
-"""Training-side NVFP4 fake quantization in one pass (Triton), byte for byte trace_lightning.quant.fake_quantized.
+"""Training-side NVFP4 fake quantization in one pass (Triton), bit for bit quant.fake.reference_fake_quantized.
 
 The reference builds a site's straight-through value from some thirty elementwise torch ops (scales, codes, packing,
 unpacking, a table lookup, the dequantize, then the scaled input again for the clamp mask), each a pass over the
@@ -94,7 +94,7 @@ def _words(packed: Tensor) -> Tensor:
 
 def guided_fake_quantized(x: Tensor, ref: BlockFP4, mode: str) -> tuple[Tensor, Tensor]:
     """(value in x's dtype, inside mask) of x rounded with NVFP4 record `ref` in mode "full" or "parity" (Triton);
-    equal to quant.fake_quantized(x, fmt, ref, mode) bit for bit."""
+    equal to quant.fake.reference_fake_quantized(x, fmt, ref, mode) bit for bit."""
     check_guidance_mode(mode)
     if not isinstance(ref, NVFP4):
         raise ValueError(f"the fused guided quantizer takes an NVFP4 record, got {type(ref).__name__}")
@@ -118,9 +118,9 @@ def guided_fake_quantized(x: Tensor, ref: BlockFP4, mode: str) -> tuple[Tensor, 
 
 
 def plain_fake_quantized(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(value in x's dtype, inside mask) of x's row-global NVFP4 (Triton): quant.fake_quantized(x, "nvfp4"). The
-    quantizer writes codes and scales (a ninth of x's bytes), the guided kernel in `full` mode reads them back as
-    the record of x's own rounding."""
+    """(value in x's dtype, inside mask) of x's row-global NVFP4 (Triton), as reference_fake_quantized(x, "nvfp4")
+    gives them. The quantizer writes codes and scales (a ninth of x's bytes), the guided kernel in `full` mode reads
+    them back as the record of x's own rounding."""
     packed, scales, g = _nvfp4(x, None, GLOBAL_ROW)
     return guided_fake_quantized(x, NVFP4(packed=packed, scales=scales, global_scale=g.view(*x.shape[:-1], 1)),
                                  "full")
@@ -128,8 +128,8 @@ def plain_fake_quantized(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def fused_fake_quantized(x: Tensor, fmt: FP4Format, ref: BlockFP4 | None = None,
                          mode: str | None = None) -> tuple[Tensor, Tensor] | None:
-    """The fused kernels' (value, inside) where they apply (NVFP4 with a row, matrix or no global scale, a record of
-    NVFP4), else None: the caller then runs the reference."""
+    """The fused kernels' (value, inside) where they apply, else None (the caller then runs the reference): guided by
+    an NVFP4 record (row, matrix or no global scale), or plain NVFP4 with row globals; float32 or bfloat16 x."""
     if fmt.kind != "nvfp4" or x.dim() == 0 or x.shape[-1] % 16 or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     if ref is not None:
