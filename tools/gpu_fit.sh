@@ -14,7 +14,8 @@
 #      time limit stopped it); results.md's GPU section, its figures and the per-method JSON come back in $OUT;
 #   8. (part `long`, not in `all`) conf/gpu_long.yaml, the long-response fit: 20 warm-start steps (LONG_WARMUP), then RL_STEPS RL
 #      steps of 256 x 1024-token rollouts, for each METHOD in turn (default trace_compact then bf16), same seed; the
-#      step-time breakdown of each as a table;
+#      step-time breakdown of each as a table; PROFILE_STEP=N profiles global step N's training (StepProfiler) and
+#      prints its largest kernels;
 #   7. (part `frontier`, not in `all`) k3_kl against record bytes/token over the layer policies (tools/mismatch_table.py
 #      --policies) on the fit's checkpoint if the machine still holds it, else after a 300-step warm start.
 # Needs this checkout installed (pip, editable), or --install; a machine without a package index installs the
@@ -84,12 +85,14 @@ if [ "$PART" = long ]; then
     rm -rf runs/gpu
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout ${LONG_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
       --config conf/gpu_long.yaml --config "conf/method/$METHOD.yaml" --trainer.max_steps $((WARM + RL)) \
-      --model.warmup_steps "$WARM" --trainer.val_check_interval $((WARM + RL)) --trainer.limit_val_batches 0 2>&1 \
-      | tee "$OUT/long_$METHOD.log" | grep -v Warning | tail -6
+      --model.warmup_steps "$WARM" --trainer.val_check_interval $((WARM + RL)) --trainer.limit_val_batches 0 \
+      ${PROFILE_STEP:+--trainer.callbacks+=trace_lightning.lit.profiling.StepProfiler --trainer.callbacks.step=$PROFILE_STEP} \
+      2>&1 | tee "$OUT/long_$METHOD.log" | grep -v Warning | tail -6
     RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
     [ -n "$RUN" ] && python3 tools/tb_summary.py "$RUN" --match time/ rollout/ train/tokens memory/ mismatch/k3 \
       reward/mean | tee "$OUT/long_$METHOD.md"
     mkdir -p "$OUT/long_$METHOD"
     [ -n "$RUN" ] && (cd "$RUN" && find . -name 'events.*' -exec cp --parents {} "$OUT/long_$METHOD" \;)
+    [ -n "$RUN" ] && cp "$RUN"/profile_step*.txt "$OUT/long_$METHOD/" 2>/dev/null && head -45 "$RUN"/profile_step*.txt
   done
 fi

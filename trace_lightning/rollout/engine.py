@@ -196,9 +196,9 @@ class Engine:
         the last, unless `one_off`) where decode steps replay as CUDA graphs. A kept session's cache and record are
         GRAPH_LENGTH_STEP-rounded in length, so calls whose prompts differ a little in length share it (the FP4
         attention reads keys up to each query's own position only)."""
-        c, dev = self.config, self.device
-        keep = self._keeps_decode_graphs() and not (capture is not None and capture.stream_to_host)
-        max_len = min(-(-length // GRAPH_LENGTH_STEP) * GRAPH_LENGTH_STEP, c.max_seq_len) if keep else length
+        dev = self.device
+        kept_len = self._kept_length(length, capture)
+        keep, max_len = kept_len is not None, kept_len or length
         layout = self.record_layout(capture)
         key = (batch, slots, max_len, max_new, layout, capture is not None, params.temperature, params.top_k,
                params.top_p, n_stop, params.min_new_tokens)
@@ -248,6 +248,13 @@ class Engine:
     def _keeps_decode_graphs(self) -> bool:
         """Whether generate calls keep their decode session for the next call (captured CUDA graphs)."""
         return self.keep_decode_graph and self.cuda_graph and self.device.type == "cuda"
+
+    def _kept_length(self, length: int, capture: CaptureSpec | None) -> int | None:
+        """The buffers' length of a call of `length` positions whose decode session is kept for the next call
+        (GRAPH_LENGTH_STEP-rounded); None where it is not kept (no graphs kept, or a record streamed to the host)."""
+        if not self._keeps_decode_graphs() or (capture is not None and capture.stream_to_host):
+            return None
+        return min(-(-length // GRAPH_LENGTH_STEP) * GRAPH_LENGTH_STEP, self.config.max_seq_len)
 
     def release_decode_session(self) -> None:
         """Free the kept decode session (its KV cache, record buffers and CUDA graph); the next call builds anew."""
@@ -495,11 +502,14 @@ class Engine:
         cache), from shapes alone; with `workspace`, also its largest forward's transient bytes, measured
         (workspace_bytes: the prefill of `prompt_len` positions, default max_len, in prefill_chunk pieces, or a
         decode step). A record streamed to the host (capture.stream_to_host) costs the device a ring as long as the
-        longest prompt or the check interval."""
+        longest prompt or the check interval. Where calls keep their decode session (CUDA graphs), its buffers are
+        GRAPH_LENGTH_STEP-rounded and the record is handed over as a copy: both counted (a one_off call of another
+        shape than the kept session's allocates its own buffers beside it, which no plan of one call counts)."""
         layout = self.record_layout(capture)
         slots, prompt = _slot_count(max_batch, batch), max_len if prompt_len is None else prompt_len
         plan = memory.plan(self.config, self.weight_bytes(), batch, max_len, self.compute_dtype, self.kv_format,
-                           layout.width if layout is not None else 0, slots, self._ring(capture, prompt))
+                           layout.width if layout is not None else 0, slots, self._ring(capture, prompt),
+                           self._kept_length(max_len, capture))
         if not workspace:
             return plan
         return dataclasses.replace(plan, workspace=self._call_workspace(slots, prompt, capture))

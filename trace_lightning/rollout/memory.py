@@ -37,12 +37,16 @@ class MemoryPlan:
     """Continuous batching: the staging cache a refill prefills into (up to every slot's rows at once)."""
     host_records: int = 0
     """A record streamed to the host: its bytes there (pinned); ``records`` is then the device ring."""
+    handover: int = 0
+    """What the call hands over beside its buffers: the route table (a new tensor) and, from a decode session kept
+    for the next call, a copy of the record (the session's own buffer is overwritten by that call)."""
     workspace: int = 0
     """The largest forward's transient bytes (the prefill's, or a decode step's), where measured."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.records + self.routes + self.refill_cache + self.workspace
+        return (self.weights + self.kv_cache + self.records + self.routes + self.refill_cache + self.handover
+                + self.workspace)
 
 
 def tensor_bytes(module: nn.Module, extra: list[torch.Tensor]) -> int:
@@ -66,22 +70,27 @@ def kv_bytes_per_token(config: MoEConfig, dtype: torch.dtype, fp4: FP4Format | N
 
 
 def plan(config: MoEConfig, weights: int, batch: int, max_len: int, dtype: torch.dtype, kv_fmt: FP4Format | None,
-         record_width: int, slots: int | None = None, ring: int = 0) -> MemoryPlan:
+         record_width: int, slots: int | None = None, ring: int = 0, kept_len: int | None = None) -> MemoryPlan:
     """The plan for an engine computing in `dtype` whose cache is FP4 in `kv_fmt` (None: dense), recording
     `record_width` bytes per position (its RecordLayout's width; 0 without capture). With `slots` below `batch`
     (continuous batching) the cache holds `slots` rows plus a refill's staging rows; records and routes stay one
     row per sequence. With a `ring` (columns of a record streamed to the host) the device holds only the ring, one
-    row per slot, with each entry's position and sequence (int64)."""
-    positions = batch * max_len
+    row per slot, with each entry's position and sequence (int64). `kept_len`: the call runs in a decode session
+    kept for the next call, whose buffers are that long (rounded up from max_len), and hands its record over as a
+    copy of max_len positions."""
+    held = max_len if kept_len is None else kept_len
     route_bytes = torch.empty(0, dtype=route_dtype(config.n_experts)).element_size()
-    cache_row = round(max_len * kv_bytes_per_token(config, dtype, kv_fmt))
+    routes_per_position = config.n_layers * config.top_k * route_bytes
+    cache_row = round(held * kv_bytes_per_token(config, dtype, kv_fmt))
     rows = batch if slots is None or slots >= batch else slots
-    records, host = positions * record_width, 0
+    records, host = batch * held * record_width, 0
     if ring and record_width:
         records, host = rows * ring * (record_width + 16), records
+    copied = batch * max_len * record_width if kept_len is not None and not ring else 0
     return MemoryPlan(weights=weights, kv_cache=rows * cache_row, records=records,
-                      routes=positions * config.n_layers * config.top_k * route_bytes,
-                      refill_cache=rows * cache_row if rows < batch else 0, host_records=host)
+                      routes=batch * held * routes_per_position,
+                      refill_cache=rows * cache_row if rows < batch else 0, host_records=host,
+                      handover=batch * max_len * routes_per_position + copied)
 
 
 def largest_batch(per_sequence: int, weights: int, budget: int, reserve: int) -> int:
