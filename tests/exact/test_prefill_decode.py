@@ -1,6 +1,7 @@
 """Prefill equals decode, bit for bit: the logits the exact engine decodes token by token are those of one forward
 over the whole sequence (the training step's), whatever the batch, a row's place in it, the prompt lengths, or
-continuous batching (rtol=0, atol=0)."""
+continuous batching (rtol=0, atol=0). On the CPU and, where one is present, on a CUDA device (the same torch-op
+arithmetic: the exact engine runs it there too)."""
 
 import copy
 
@@ -18,8 +19,12 @@ def master() -> Transformer:
     return Transformer(MoEConfig.from_name("debug-moe", n_layers=2))
 
 
-def _engine(master: Transformer, dtype: torch.dtype) -> Engine:
-    return Engine(copy.deepcopy(master), FP4Precision(compute_dtype=dtype), backend="sim", exact=True)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _engine(master: Transformer, dtype: torch.dtype, device: str = "cpu") -> Engine:
+    """The exact engine on `device`, its backend chosen as a fit chooses it ("auto": the sim's ops, on CUDA too)."""
+    return Engine(copy.deepcopy(master).to(device), FP4Precision(compute_dtype=dtype), exact=True)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -32,11 +37,12 @@ def _decoded_logits(engine: Engine, seqs: list[list[int]], prompt_lens: list[int
     recorder, hook, cache = engine._call_buffers(None, len(seqs), max(map(len, seqs)))
     prompts = [s[:n] for s, n in zip(seqs, prompt_lens, strict=True)]
     out = [[row] for row in engine.prefill(prompts, cache, hook, recorder)]
-    pos = torch.tensor(prompt_lens)
+    dev = engine.device
+    pos = torch.tensor(prompt_lens, device=dev)
     for _ in range(max(len(s) - n for s, n in zip(seqs, prompt_lens, strict=True)) - 1):
-        pos = torch.minimum(pos, torch.tensor([len(s) - 1 for s in seqs]))  # a finished row repeats its last step
+        pos = torch.minimum(pos, torch.tensor([len(s) - 1 for s in seqs], device=dev))  # a finished row repeats
         cache.visible = int(pos.max()) + 1
-        tokens = torch.tensor([s[p] for s, p in zip(seqs, pos.tolist(), strict=True)])[:, None]
+        tokens = torch.tensor([s[p] for s, p in zip(seqs, pos.tolist(), strict=True)], device=dev)[:, None]
         logits = engine.decode_one_token(tokens, pos[:, None], cache, hook, recorder)
         for b, row in enumerate(logits):
             if len(out[b]) < len(seqs[b]) - prompt_lens[b]:
@@ -45,25 +51,28 @@ def _decoded_logits(engine: Engine, seqs: list[list[int]], prompt_lens: list[int
     return [torch.stack(rows) for rows in out]
 
 
-def _full_logits(master: Transformer, dtype: torch.dtype, seqs: list[list[int]]) -> torch.Tensor:
+def _full_logits(master: Transformer, dtype: torch.dtype, seqs: list[list[int]], device: str = "cpu") -> torch.Tensor:
     """One forward of the trainer's master weights over the right-padded sequences: (B, T, V)."""
     T = max(map(len, seqs))
     ids, mask = torch.zeros(len(seqs), T, dtype=torch.long), torch.zeros(len(seqs), T, dtype=torch.bool)
     for b, s in enumerate(seqs):
         ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), True
     with torch.no_grad():
-        return ExactForward(master, dtype)(ids, attention_mask=mask).logits
+        forward = ExactForward(copy.deepcopy(master).to(device), dtype)
+        return forward(ids.to(device), attention_mask=mask.to(device)).logits
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [1, 5])
-def test_decoded_logits_equal_the_full_forwards(master: Transformer, dtype: torch.dtype, batch: int) -> None:
-    engine = _engine(master, dtype)
+def test_decoded_logits_equal_the_full_forwards(master: Transformer, dtype: torch.dtype, batch: int,
+                                                device: str) -> None:
+    engine = _engine(master, dtype, device)
     prompts = _prompts(batch, seed=batch)
     g = torch.Generator().manual_seed(10 + batch)
     seqs = [p + torch.randint(1, 128, (4,), generator=g).tolist() for p in prompts]
     decoded = _decoded_logits(engine, seqs, [len(p) for p in prompts])
-    full = _full_logits(master, dtype, seqs)
+    full = _full_logits(master, dtype, seqs, device)
     for b, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
         assert torch.equal(decoded[b], full[b, len(p) - 1 : len(s) - 1]), f"row {b}"
     # the same sequence alone, and at another place in another batch: the same bits
@@ -75,14 +84,15 @@ def test_decoded_logits_equal_the_full_forwards(master: Transformer, dtype: torc
     assert torch.equal(moved, decoded[-1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_batch", [None, 2])
-def test_sampled_logprobs_equal_the_training_forwards(master: Transformer, max_batch: int | None) -> None:
+def test_sampled_logprobs_equal_the_training_forwards(master: Transformer, max_batch: int | None, device: str) -> None:
     """generate (static or continuous batching) against the training forward: every response token's logprob."""
-    engine = _engine(master, torch.float32)
+    engine = _engine(master, torch.float32, device)
     prompts = _prompts(6, seed=7)
     out = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3), max_batch=max_batch)
     seqs = [p + r for p, r in zip(prompts, out.responses, strict=True)]
-    logprobs = _full_logits(master, torch.float32, seqs).float().log_softmax(-1)
+    logprobs = _full_logits(master, torch.float32, seqs, device).float().log_softmax(-1).cpu()
     for b, (p, r) in enumerate(zip(prompts, out.responses, strict=True)):
         want = logprobs[b, len(p) - 1 : len(p) - 1 + len(r)].gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         assert torch.equal(torch.tensor(out.logprobs[b]), want), f"sequence {b}"

@@ -90,9 +90,12 @@ class Engine:
         self.precision = precision
         self.config = model.config
         self.device = next(model.parameters()).device
-        self.ops: ModuleType = backend_for(self.device, backend)
+        # exact: the invariant arithmetic (trace_lightning/exact) is torch ops, on any device; "auto" takes the sim's
+        # ops for the rest (quantizers, cache) there too, as the Triton kernels are not batch-invariant
+        self.ops: ModuleType = backend_for(self.device, "sim" if exact and backend == "auto" else backend)
         self.sync_every = max(1, sync_every)
-        self.cuda_graph = cuda_graph  # decode steps replay as one CUDA graph on GPU (rollout/decode.py)
+        # decode steps replay as one CUDA graph on GPU (rollout/decode.py); not the exact forward's (host-side loops)
+        self.cuda_graph = cuda_graph and not exact
         self.keep_decode_graph = keep_decode_graph
         self._session: DecodeSession | None = None
         # attention over the packed FP4 cache (ops.fp4_kv_attention) on every backend: on Triton one kernel reads the
@@ -365,7 +368,8 @@ class Engine:
             return None
         fp4 = self.fp4
         if is_triton(self.ops):
-            raise ValueError("exact=True runs on the sim backend only: the Triton kernels are not batch-invariant yet")
+            raise ValueError("exact=True runs the sim backend's ops (backend 'sim' or 'auto'): the Triton kernels "
+                             "are not batch-invariant yet")
         if fp4 is None or fp4.fmt != "nvfp4" or not (fp4.weights and fp4.activations and fp4.kv):
             raise ValueError(f"exact=True needs NVFP4 weights, activations and KV cache; precision is "
                              f"{self.precision!r}")
