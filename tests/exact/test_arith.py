@@ -28,6 +28,16 @@ def test_tree_matmul_rows_match_the_row_alone(rows: int) -> None:
     torch.testing.assert_close(full, a @ b.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("budget", [96 * 40, 96 * 7, 50])
+def test_tree_matmul_chunks_change_no_bits(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+    """Chunked over rows (a row's products fit), over columns too (7 a chunk), or one output at a time."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(9, 96, generator=g), torch.randn(40, 96, generator=g)
+    whole = arith.tree_matmul(a, b)
+    monkeypatch.setitem(arith.TREE_CHUNK_ELEMENTS, "cpu", budget)
+    assert torch.equal(arith.tree_matmul(a, b), whole)
+
+
 def test_fp4_matmul_is_the_exact_integer_sum_rounded_once() -> None:
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(33, 128, generator=g) * 3, torch.randn(24, 128, generator=g) * 0.05
