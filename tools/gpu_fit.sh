@@ -16,11 +16,14 @@
 #      steps of 256 x 1024-token rollouts, for each METHOD in turn (default trace_compact then bf16), same seed; the
 #      step-time breakdown of each as a table; PROFILE_STEP=N profiles global step N's training (StepProfiler) and
 #      prints its largest kernels;
+#   9. (part `exact`, not in `all`) conf/gpu.yaml with trace_exact, then trace_compact (EXACT_METHODS), EXACT_WARMUP
+#      (20) warm-start + RL_STEPS RL steps each, micro-batches of EXACT_MICRO_BATCH (64): every RL step's k3_kl and
+#      the step-time breakdown of each;
 #   7. (part `frontier`, not in `all`) k3_kl against record bytes/token over the layer policies (tools/mismatch_table.py
 #      --policies) on the fit's checkpoint if the machine still holds it, else after a 300-step warm start.
 # Needs this checkout installed (pip, editable), or --install; a machine without a package index installs the
 # wheels tools/offline_wheels.sh gathered into .whl/ with --install.
-# Usage: bash tools/gpu_fit.sh [--out DIR] [--install] [RL_STEPS] [all|tests|fit|bench|methods|frontier|long] [METHOD ...]   (default 30 RL steps after 20 warm-start steps: the
+# Usage: bash tools/gpu_fit.sh [--out DIR] [--install] [RL_STEPS] [all|tests|fit|bench|methods|frontier|long|exact] [METHOD ...]   (default 30 RL steps after 20 warm-start steps: the
 # step-50 checkpoint conf/gpu.yaml saves is the one part 5 rolls out from)
 set -uo pipefail
 source "$(dirname "$0")/_gpu_args.sh"  # --out DIR (default ./gpu_out), --install
@@ -70,6 +73,22 @@ if [ "$PART" = methods ]; then
     --warmup-steps 300 --rl-steps "$RL" --out runs/methods_gpu --name gpu 2>&1 \
     | tee "$OUT/methods.log" | grep "^{\|Error\|error" | tail -8
   mkdir -p "$OUT/methods" && cp runs/methods_gpu/*.json docs/results.md docs/figures/gpu_* "$OUT/methods/" 2>/dev/null
+fi
+if [ "$PART" = exact ]; then
+  for METHOD in ${EXACT_METHODS:-trace_exact trace_compact}; do
+    WARM=${EXACT_WARMUP:-20}
+    echo "## 9. conf/gpu.yaml with $METHOD: $WARM warm-start + $RL RL steps (issue 39: k3_kl exactly 0 on the GPU)"
+    rm -rf runs/gpu
+    timeout ${EXACT_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
+      --config "conf/method/$METHOD.yaml" --trainer.max_steps $((WARM + RL)) --model.warmup_steps "$WARM" \
+      --trainer.val_check_interval $((WARM + RL)) --trainer.limit_val_batches 0 \
+      --model.micro_batch_size ${EXACT_MICRO_BATCH:-64} 2>&1 | tee "$OUT/exact_$METHOD.log" | grep -v Warning | tail -6
+    RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
+    [ -n "$RUN" ] && python3 tools/tb_summary.py "$RUN" --match time/ rollout/tokens memory/ mismatch/ reward/mean \
+      guidance/exchange | tee "$OUT/exact_$METHOD.md"
+    mkdir -p "$OUT/exact_$METHOD"
+    [ -n "$RUN" ] && (cd "$RUN" && find . -name 'events.*' -exec cp --parents {} "$OUT/exact_$METHOD" \;)
+  done
 fi
 if [ "$PART" = frontier ]; then
   echo "## 7. the depth frontier of a GPU-trained small-moe (countdown), parity records over layer policies"
