@@ -15,7 +15,8 @@
 #   8. (part `long`, not in `all`) conf/gpu_long.yaml, the long-response fit: 20 warm-start steps (LONG_WARMUP), then RL_STEPS RL
 #      steps of 256 x 1024-token rollouts, for each METHOD in turn (default trace_compact then bf16), same seed; the
 #      step-time breakdown of each as a table; PROFILE_STEP=N profiles global step N's training (StepProfiler) and
-#      prints its largest kernels;
+#      prints its largest kernels (a step of 128 micro-batches profiles for minutes: shrink it with, e.g.,
+#      LONG_ARGS="--model.rollout.prompts_per_step 4"; LONG_ARGS is added to the fit's arguments);
 #   9. (part `exact`, not in `all`) conf/gpu.yaml with trace_exact, then trace_compact (EXACT_METHODS), EXACT_WARMUP
 #      (20) warm-start + RL_STEPS RL steps each, micro-batches of EXACT_MICRO_BATCH (64): every RL step's k3_kl and
 #      the step-time breakdown of each;
@@ -79,7 +80,7 @@ if [ "$PART" = exact ]; then
     WARM=${EXACT_WARMUP:-20}
     echo "## 9. conf/gpu.yaml with $METHOD: $WARM warm-start + $RL RL steps (issue 39: k3_kl exactly 0 on the GPU)"
     rm -rf runs/gpu
-    timeout ${EXACT_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
+    timeout -k 15 ${EXACT_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
       --config "conf/method/$METHOD.yaml" --trainer.max_steps $((WARM + RL)) --model.warmup_steps "$WARM" \
       --trainer.val_check_interval $((WARM + RL)) --trainer.limit_val_batches 0 \
       --model.micro_batch_size ${EXACT_MICRO_BATCH:-64} 2>&1 | tee "$OUT/exact_$METHOD.log" | grep -v Warning | tail -6
@@ -102,10 +103,11 @@ if [ "$PART" = long ]; then
     WARM=${LONG_WARMUP:-20}
     echo "## 8. the long-response fit (conf/gpu_long.yaml), $METHOD: $WARM warm-start + $RL RL steps"
     rm -rf runs/gpu
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout ${LONG_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 15 ${LONG_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
       --config conf/gpu_long.yaml --config "conf/method/$METHOD.yaml" --trainer.max_steps $((WARM + RL)) \
       --model.warmup_steps "$WARM" --trainer.val_check_interval $((WARM + RL)) --trainer.limit_val_batches 0 \
       ${PROFILE_STEP:+--trainer.callbacks+=trace_lightning.lit.profiling.StepProfiler --trainer.callbacks.step=$PROFILE_STEP} \
+      ${LONG_ARGS:-} \
       2>&1 | tee "$OUT/long_$METHOD.log" | grep -v Warning | tail -6
     RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
     [ -n "$RUN" ] && python3 tools/tb_summary.py "$RUN" --match time/ rollout/ train/tokens memory/ mismatch/k3 \
