@@ -27,9 +27,11 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from _bench import copy_bandwidth
+from _peak import peak_blocks
 
 from trace_lightning.model import MoEConfig, Transformer
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, RolloutBatch, SamplingParams, sequence_seeds
@@ -95,9 +97,10 @@ def model_factory(preset: str, device: str, **overrides: object) -> Callable[[],
 def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, batch: int, prompt_len: int,
           params: SamplingParams, repeats: int, capture: CaptureSpec | None, backend: str = "auto",
           prefill_dense_from: int | None = None, reserve_gib: float = 2.0,
-          prefill_chunk: int | None = None) -> dict[str, float]:
+          prefill_chunk: int | None = None, peak_sites: int = 0) -> dict[str, Any]:
     """Best-of-repeats tokens/s of the whole call, decode-loop tokens/s and prefill ms, at `batch` (0: the engine's
-    largest), with the device's peak memory against the engine's memory plan."""
+    largest), with the device's peak memory against the engine's memory plan; with `peak_sites` (CUDA), one more call
+    with its decode session allocated anew, recorded by the allocator, and the sites holding the most at its peak."""
     engine = Engine(make_model(), precision, backend=backend, prefill_dense_from=prefill_dense_from,
                     prefill_chunk=prefill_chunk)
     device = engine.device
@@ -126,6 +129,13 @@ def bench(make_model: Callable[[], Transformer], precision: FP4Precision | str, 
     best["plan GiB"], best["workspace GiB"] = plan.total / 2**30, plan.workspace / 2**30
     # the bytes an average decode step must move (weights touched, KV at the mean context, records written)
     best["MB/step"] = engine.decode_step_traffic(batch, max_len - params.max_new_tokens / 2, capture).total / 1e6
+    if peak_sites and device.type == "cuda":
+        engine.release_decode_session()  # the recorded call allocates its session, as a first call does
+        peak, sites = peak_blocks(lambda: engine.generate(prompts, params, capture=capture), device)
+        best["peak sites"] = [f"at the peak of a call, {peak / 2**30:.2f} GiB above what was held before it (plan "
+                              f"{best['plan GiB']:.2f} GiB with the weights), by allocation site:"]
+        best["peak sites"] += [f"    {n / 2**30:8.3f} GiB in {blocks:5d} blocks  {site}"
+                               for n, blocks, site in sites[:peak_sites]]
     return best
 
 
@@ -209,6 +219,9 @@ def main() -> None:
     parser.add_argument("--prefill-dense-from", type=int, default=None, metavar="TOKENS",
                         help="FP4 rows: forwards of at least TOKENS tokens (prefills) run dense GEMMs on dequantized "
                              "weights (Engine(prefill_dense_from=...)); compare prefill ms with and without")
+    parser.add_argument("--peak-blocks", type=int, default=0, metavar="N",
+                        help="CUDA: after the timed calls, one more under the allocator's recorder, and the N "
+                             "allocation sites holding the most memory at its peak (what a plan leaves out)")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="POSITIONS",
                         help="prefill POSITIONS prompt positions a forward (Engine(prefill_chunk=...)): compare peak "
                              "memory against the plan with and without")
@@ -232,6 +245,7 @@ def main() -> None:
           "over it")
     print("| precision | batch | tok/s (whole call) | decode tok/s | prefill ms | ms/step | MB/step | GB/s "
           "| of copy bw | peak GiB | plan GiB | of it workspace |\n|---|" + "---:|" * 11)
+    peak_lines: list[str] = []  # --peak-blocks: printed after the table
     for name in names:
         dense_from = args.prefill_dense_from if isinstance(PRECISIONS[name], FP4Precision) else None
         capture = CAPTURES.get(name)
@@ -241,11 +255,14 @@ def main() -> None:
             n = config.n_layers
             capture = dataclasses.replace(capture, layers=set(range(max(0, n - args.record_layers), n)))
         r = bench(make_model, PRECISIONS[name], args.batch, args.prompt_len, params, args.repeats, capture,
-                  args.backend, dense_from, args.reserve_gib, args.prefill_chunk)
+                  args.backend, dense_from, args.reserve_gib, args.prefill_chunk, args.peak_blocks)
         gbps = r["MB/step"] / r["ms/step"]
         print(f"| {name} | {r['batch']:.0f} | {r['tok/s']:.0f} | {r['decode tok/s']:.0f} | {r['prefill ms']:.1f} | "
               f"{r['ms/step']:.2f} | {r['MB/step']:.1f} | {gbps:.1f} | {gbps * 1e9 / bandwidth:.0%} | "
               f"{r['peak GiB']:.2f} | {r['plan GiB']:.2f} | {r['workspace GiB']:.2f} |")
+        peak_lines.extend(f"{name}: {line}" if i == 0 else line for i, line in enumerate(r.get("peak sites", [])))
+    if peak_lines:
+        print("\n".join(peak_lines))
 
 
 if __name__ == "__main__":
