@@ -104,3 +104,31 @@ def test_dense_linear_gradients_are_the_matmuls() -> None:
     gx, gw = torch.autograd.grad(y, (x, w), grad)
     torch.testing.assert_close(gx, grad @ w.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gw, grad.reshape(-1, 16).T @ x.detach().reshape(-1, 32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("K", [64, 2080])  # 2080: past EXACT_K, exact partials added in order
+def test_grouped_fp4_linear_is_each_rows_own_fp4_linear(K: int) -> None:
+    """Experts' rows in one batched GEMM over zero-padded groups: each row's bits are fp4_linear's for that row and its
+    expert alone (an empty expert included), and the gradients are each group's matmuls."""
+    g = torch.Generator().manual_seed(7)
+    counts = torch.tensor([3, 0, 5, 1])
+    x = (torch.randn(int(counts.sum()), K, generator=g) * 2).requires_grad_()
+    w = torch.randn(4, 24, K, generator=g) * 0.05
+    wq = [quantize_weight(w[e], "nvfp4") for e in range(4)]
+    ints = torch.stack([arith.fp4_integers(q) for q in wq])
+    globals_ = torch.stack([row_globals(q) for q in wq])
+    w_value = torch.stack([q.dequantize(torch.float32) for q in wq]).requires_grad_()
+    xq = quantize_rows(x.detach())
+    y = arith.grouped_fp4_linear(x, xq, w_value, ints, globals_, counts)
+    e_of_row = torch.repeat_interleave(torch.arange(4), counts)
+    for r in range(x.shape[0]):
+        e = int(e_of_row[r])
+        row = x[r : r + 1].detach()
+        alone = arith.fp4_linear(row, quantize_rows(row), None, ints[e], globals_[e])
+        assert torch.equal(y[r : r + 1].detach(), alone), f"row {r}"
+    grad = torch.randn(y.shape, generator=g)
+    gx, gw = torch.autograd.grad(y, (x, w_value), grad)
+    torch.testing.assert_close(gx, torch.einsum("pn,pnk->pk", grad, w_value.detach()[e_of_row]), rtol=1e-5, atol=1e-5)
+    want = torch.stack([grad[e_of_row == e].T @ x.detach()[e_of_row == e] for e in range(4)])
+    torch.testing.assert_close(gw, want, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(gw[1]) == 0  # the expert no row picked gets no gradient

@@ -137,6 +137,68 @@ def fp4_linear(x_value: Tensor, xq: NVFP4, w_value: Tensor | None, w_ints: Tenso
     return _Gemm.apply(x_value, w_value, compute)
 
 
+class _GroupedGemm(torch.autograd.Function):
+    """forward(x [P, K] rows of groups, w [G, N, K]) = compute(), exactly; backward: the float32 gradients of each
+    row's x @ w[group].T, by batched matmuls over the zero-padded groups."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, slots: tuple[Tensor, Tensor, int], compute: Callable[[], Tensor]
+                ) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.slots = slots
+        return compute()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        x, w = ctx.saved_tensors
+        grad_pad = padded(grad, ctx.slots, w.shape[0])  # [G, C, N]
+        grad_x = torch.bmm(grad_pad, w)[ctx.slots[0], ctx.slots[1]] if ctx.needs_input_grad[0] else None
+        grad_w = torch.bmm(grad_pad.transpose(1, 2), padded(x, ctx.slots, w.shape[0])) if ctx.needs_input_grad[1] \
+            else None
+        return grad_x, grad_w, None, None
+
+
+def group_slots(counts: Tensor) -> tuple[Tensor, Tensor, int]:
+    """For rows sorted by group with `counts` rows a group: (each row's group, its place in the group, the largest
+    group's size): where each row goes in a zero-padded [groups, largest, ...] tensor."""
+    group = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.arange(group.numel(), device=counts.device) - starts[group]
+    return group, place, int(counts.max()) if counts.numel() else 0
+
+
+def padded(rows: Tensor, slots: tuple[Tensor, Tensor, int], groups: int) -> Tensor:
+    """rows [P, ...] sorted by group -> [groups, largest, ...], zeros past each group's rows."""
+    group, place, largest = slots
+    out = rows.new_zeros(groups, largest, *rows.shape[1:])
+    out[group, place] = rows
+    return out
+
+
+def grouped_fp4_linear(x_value: Tensor, xq: NVFP4, w_value: Tensor | None, w_ints: Tensor, w_global: Tensor,
+                       counts: Tensor) -> Tensor:
+    """fp4_linear of activation rows sorted by group (`counts` a group: an MoE's experts) through each group's own
+    weight, w_ints [G, N, K] (globals [G, N], values [G, N, K] or None) -> float32 [P, N]. One batched float64 GEMM
+    over the zero-padded groups: its sums are exact integers, so a row's result is what fp4_linear gives it alone,
+    whatever its group's size or the other groups (a Python loop over experts launched ~20 kernels an expert)."""
+    slots = group_slots(counts)
+    group, place, _ = slots
+    ints, globals_ = fp4_integers(xq), xq.global_scale.reshape(-1)
+    G, K = w_ints.shape[0], ints.shape[-1]
+
+    def compute() -> Tensor:
+        a = padded(ints, slots, G)
+        total = torch.bmm(a[..., :EXACT_K], w_ints[..., :EXACT_K].transpose(1, 2))
+        for k in range(EXACT_K, K, EXACT_K):  # fixed order over exact partials
+            total = total + torch.bmm(a[..., k : k + EXACT_K], w_ints[..., k : k + EXACT_K].transpose(1, 2))
+        scaled = total[group, place] * 2.0**-20 * globals_.double()[:, None] * w_global.double()[group]
+        return scaled.float()
+
+    if w_value is None:
+        return compute()
+    return _GroupedGemm.apply(x_value, w_value, slots, compute)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, rnd: Callable[[Tensor], Tensor]) -> Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) with a tree mean; rnd rounds to the compute dtype as the model does."""
     ms = tree_sum(x * x) / x.shape[-1]

@@ -171,10 +171,14 @@ class ExactForward:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         rows = x.reshape(-1, D)[order // K]  # (N*K, D) in expert order
-        counts = torch.bincount(flat, minlength=self.config.n_experts).tolist()
-        project = self._projector(experts, quantized)
-        h = torch.cat([self._swiglu(project("w13", e, part)) for e, part in enumerate(rows.split(counts))])
-        y = torch.cat([project("w2", e, part) for e, part in enumerate(h.split(counts))])
+        counts = torch.bincount(flat, minlength=self.config.n_experts)
+        if quantized:  # every expert's rows in one batched exact GEMM a projection
+            h = self._swiglu(self._grouped(experts, "w13", rows, counts))
+            y = self._grouped(experts, "w2", h, counts)
+        else:
+            project, split = self._projector(experts), counts.tolist()
+            h = torch.cat([self._swiglu(project("w13", e, part)) for e, part in enumerate(rows.split(split))])
+            y = torch.cat([project("w2", e, part) for e, part in enumerate(h.split(split))])
         y = self.rnd(y)[inverse].view(B, T, K, D)
         out = y[:, :, 0] * gates[..., 0:1]
         for slot in range(1, K):  # a fixed order
@@ -185,22 +189,17 @@ class ExactForward:
         gate, up = self.rnd(gu).chunk(2, dim=-1)
         return self.rnd(torch.nn.functional.silu(gate) * up)
 
-    def _projector(self, experts: nn.Module, quantized: bool) -> Callable[[str, int, Tensor], Tensor]:
-        """(key, expert, rows [n, K]) -> rows [n, N] through that expert's w13 or w2."""
-        if not quantized:
-            dense = {key: self.param(getattr(experts, key)) for key in ("w13", "w2")}
-            return lambda key, e, part: arith.dense_linear(part, dense[key][e]) if part.shape[0] else part.new_zeros(
-                0, dense[key].shape[-2])
-        weights = {key: self.weight(experts, key) for key in ("w13", "w2")}
+    def _grouped(self, experts: nn.Module, key: str, rows: Tensor, counts: Tensor) -> Tensor:
+        """rows [P, K] sorted by expert (counts [E]) through each one's FP4 w13 or w2 -> [P, N]."""
+        ints, wg, w_value = self.weight(experts, key)
+        value, xq = self.fp4_rows(rows)
+        return arith.grouped_fp4_linear(value, xq, w_value, ints, wg, counts)
 
-        def project(key: str, e: int, part: Tensor) -> Tensor:
-            ints, wg, w_value = weights[key]
-            if not part.shape[0]:  # an expert no token picked
-                return part.new_zeros(0, ints.shape[-2])
-            value, xq = self.fp4_rows(part)
-            return arith.fp4_linear(value, xq, None if w_value is None else w_value[e], ints[e], wg[e])
-
-        return project
+    def _projector(self, experts: nn.Module) -> Callable[[str, int, Tensor], Tensor]:
+        """(key, expert, rows [n, K]) -> rows [n, N] through that expert's dense w13 or w2 (an unquantized layer)."""
+        dense = {key: self.param(getattr(experts, key)) for key in ("w13", "w2")}
+        return lambda key, e, part: arith.dense_linear(part, dense[key][e]) if part.shape[0] else part.new_zeros(
+            0, dense[key].shape[-2])
 
     # ---- the model ----------------------------------------------------------------------------------
     def __call__(self, ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
