@@ -369,6 +369,8 @@ class PolicyModule(L.LightningModule):
         self._check_finite(loss, "policy loss")
         loss = loss * share
         self.accumulate_backward(loss, last)
+        if hook is not None and hasattr(hook, "release"):
+            hook.release()  # kept until the step ends for its audit counts only: not its record
         return {"loss": loss.detach(), "stats": {k: v.detach() * token_share for k, v in stats.items()},
                 "logprobs": logprobs.detach(), "routes": [r.detach() for r in routes], "hook": hook}
 
