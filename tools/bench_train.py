@@ -2,18 +2,21 @@
 
 Run: python tools/bench_train.py --preset medium-moe --micro-batch 4 --seq 1050   (CUDA; the CPU works, slowly)
 The forward is the policy's own (`Transformer`), with the hook the method trains with: none (bf16: the finite check
-only) or FP4 fake quantization of weights and activations (fp4_qat; trace_compact's guided forward costs the same
-quantizer plus the record's codes) by the fused kernels (on CUDA) or by the reference's torch ops, its weights
-quantized each micro-step or once a step (`step cache`, as the fit runs it: the timed micro-steps reuse the
-warm-up's). Variants: the MoE's expert GEMMs as a loop over experts or as
-one grouped GEMM, and fp32 matmuls in full fp32 or TF32. Prints ms a micro-step, tokens/s, peak GiB, and each
-variant's largest logprob difference from the first; `--profile` adds the first variant's largest kernels and host
-ops.
+only), FP4 fake quantization of weights and activations (fp4_qat) by the fused kernels (on CUDA) or by the
+reference's torch ops, its weights quantized each micro-step or once a step (`step cache`, as the fit runs it: the
+timed micro-steps reuse the warm-up's), or trace_compact's guided forward (`guided parity`: parity records of every
+layer that the FP4 engine captured for these tokens, in pinned host memory, with pad positions; the long fit's
+training is 2x bf16's per token while plain fake quant here costs +4.5%, so this row is where to look first).
+Variants: the MoE's expert GEMMs as a loop over experts or as one grouped GEMM, and fp32 matmuls in full fp32 or
+TF32. Prints ms a micro-step, tokens/s, peak GiB, and each variant's largest logprob difference from the first;
+`--profile` adds the first variant's largest kernels and host ops.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import time
 from collections.abc import Callable
 from functools import partial
@@ -21,13 +24,15 @@ from functools import partial
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from trace_lightning.guidance.hook import FakeQuantHook, FiniteCheckHook
+from trace_lightning.guidance import BatchRecord
+from trace_lightning.guidance.hook import FakeQuantHook, FiniteCheckHook, GuidedHook
 from trace_lightning.model import model as model_module
 from trace_lightning.model.hooks import QuantHook
 from trace_lightning.model.model import Transformer
 from trace_lightning.quant import FakeQuantCache
 from trace_lightning.quant import fake as fake_module
 from trace_lightning.rl.logprobs import token_logprobs
+from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams
 
 VARIANTS = {  # name: (expert GEMMs grouped, fp32 matmul precision)
     "loop, fp32": (False, "highest"),
@@ -43,6 +48,22 @@ def micro_step(policy: Transformer, tokens: torch.Tensor, hook_factory: Callable
     logprobs = token_logprobs(logits.float(), tokens[:, 1:])
     (-logprobs.mean()).backward()
     return logprobs.detach()
+
+
+def rollout_record(policy: Transformer, tokens: torch.Tensor, on_host: bool) -> BatchRecord:
+    """Parity records of every layer for tokens[:, :-1], as the FP4 engine captures them (a prefill of the tokens,
+    bf16 compute), in pinned host memory if `on_host` (the long fit's records_on_host), else on the device."""
+    engine = Engine(copy.deepcopy(policy), FP4Precision(compute_dtype="bf16"))
+    out = engine.generate(tokens.tolist(), SamplingParams(max_new_tokens=1, stop_token_ids=[]),
+                          capture=CaptureSpec(mode="parity"))
+    assert out.record is not None
+    record = out.record.window(tokens.shape[1] - 1)
+    del engine, out
+    if on_host:
+        host = record.to("cpu")
+        record = dataclasses.replace(host, data=host.data.contiguous().pin_memory() if tokens.is_cuda else
+                                     host.data.contiguous())
+    return record
 
 
 def timed(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[float, torch.Tensor]:
@@ -75,7 +96,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1050, help="tokens a sequence (prompt + response)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--hooks", nargs="*", default=["none", "fake_quant", "fake_quant, step cache"],
-                        choices=["none", "fake_quant", "fake_quant, step cache", "fake_quant, step cache, torch ops"])
+                        choices=["none", "fake_quant", "fake_quant, step cache", "fake_quant, step cache, torch ops",
+                                 "guided parity, step cache"],
+                        help="guided parity: trace_compact's forward, rounded to parity records of every layer that "
+                             "the FP4 engine captured for these tokens (held in host memory, as the long fit holds "
+                             "them; --pad positions of the first row count as padding)")
+    parser.add_argument("--pad", type=int, default=24,
+                        help="guided: the first row's last PAD positions are padding (plain rounding there, as in a "
+                             "fit's right-padded batch); 0: none")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -92,6 +120,12 @@ def main() -> None:
         "fake_quant, step cache": lambda: FakeQuantHook("nvfp4", weights=step_weights),
     }
     hooks["fake_quant, step cache, torch ops"] = hooks["fake_quant, step cache"]  # the same hook, unfused
+    if "guided parity, step cache" in args.hooks:
+        record = rollout_record(policy, tokens, on_host=True)
+        valid = torch.ones(args.micro_batch, args.seq - 1, dtype=torch.bool, device=device)
+        if args.pad:
+            valid[0, -args.pad:] = False
+        hooks["guided parity, step cache"] = lambda: GuidedHook("nvfp4", record, "parity", valid, weights=step_weights)
     fused_default = fake_module._fused_wanted
     same_dtype = lambda x, w: x.dtype == w.dtype  # noqa: E731  (the grouped GEMM for fp32 on CUDA too)
     n_tokens = args.micro_batch * (args.seq - 1)

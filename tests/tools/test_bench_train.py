@@ -24,3 +24,17 @@ def test_bench_train_rows_and_identical_logprobs() -> None:
     ]
     assert all(float(r[2]) > 0 for r in rows)
     assert all(float(r[5]) == 0.0 for r in rows)  # grouped against loop, each hook: the same logprobs to the bit
+
+
+def test_bench_train_guided_row_rounds_to_an_engine_record() -> None:
+    """The guided hook's row: parity records the FP4 engine captured for the bench's tokens, padding in the first
+    row; its micro-step runs and is timed beside plain fake quant."""
+    out = subprocess.run(
+        [sys.executable, "tools/bench_train.py", "--preset", "debug-moe", "--micro-batch", "2", "--seq", "40",
+         "--reps", "1", "--device", "cpu", "--variants", "grouped, fp32", "--hooks", "fake_quant, step cache",
+         "guided parity, step cache", "--pad", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "micro-step" not in line]
+    assert [r[0].strip() for r in rows] == ["fake_quant, step cache", "guided parity, step cache"]
+    assert all(float(r[2]) > 0 for r in rows)
