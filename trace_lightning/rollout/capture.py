@@ -142,10 +142,11 @@ class Recorder:
         """The positions of the current generate call (<= max_len: a kept decode session's buffers may be longer)."""
         self.kept = False
         """The buffers outlive the call (a kept decode session): the record is handed over as a copy."""
+        self._targets: tuple[Tensor, Tensor] | None = None
+        """_target's answer for the current forward: every recorded site of a forward writes the same tokens."""
         self.positions: Tensor | None = None
         self.rows: Tensor | None = None
         self.step: Tensor | None = None
-        """The decode step counter ((1,) or one per slot) while decoding; None during a prefill."""
         self.observed: set[SiteKey] = set()
         width = layout.width if layout is not None else 0
         streaming = ring > 0 and layout is not None
@@ -160,6 +161,33 @@ class Recorder:
             self.ring = torch.zeros(fwd_rows, ring, width, dtype=torch.uint8, device=device)
             self.ring_pos = torch.full((fwd_rows, ring), -1, dtype=torch.long, device=device)
             self.ring_row = torch.zeros((fwd_rows, ring), dtype=torch.long, device=device)
+
+    @property
+    def positions(self) -> Tensor | None:
+        """(B, T) positions of the current forward (the engine sets them before each forward)."""
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: Tensor | None) -> None:
+        self._positions, self._targets = value, None
+
+    @property
+    def rows(self) -> Tensor | None:
+        """(B,) output row of each batch row (continuous batching); None: batch row b is output row b."""
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: Tensor | None) -> None:
+        self._rows, self._targets = value, None
+
+    @property
+    def step(self) -> Tensor | None:
+        """The decode step counter ((1,) or one per slot) while decoding; None during a prefill."""
+        return self._step
+
+    @step.setter
+    def step(self, value: Tensor | None) -> None:
+        self._step, self._targets = value, None
 
     def begin(self, length: int) -> None:
         """A generate call of up to `length` positions starts in these buffers (what an earlier call wrote there is
@@ -200,11 +228,16 @@ class Recorder:
         return ((self.step - 1) % self.ring.shape[1]).view(-1, 1).expand_as(self.positions)
 
     def _target(self) -> tuple[Tensor, Tensor]:
-        """(tensor written, (B * T,) rows of it viewed [-1, width]) for the current forward."""
+        """(tensor written, (B * T,) rows of it viewed [-1, width]) for the current forward: computed at its first
+        recorded site and shared by the others (a few small kernels a site were ~100 launches a decode step)."""
         assert self.positions is not None, "set Recorder.positions before the forward"
-        if self.ring is None:
-            return self.data, (self.output_rows() * self.max_len + self.positions).reshape(-1)
-        return self.ring, (batch_rows(self.positions) * self.ring.shape[1] + self._columns()).reshape(-1)
+        if self._targets is None:
+            if self.ring is None:
+                self._targets = self.data, (self.output_rows() * self.max_len + self.positions).reshape(-1)
+            else:
+                columns = self._columns()
+                self._targets = self.ring, (batch_rows(self.positions) * self.ring.shape[1] + columns).reshape(-1)
+        return self._targets
 
     def flush(self) -> None:
         """Copy what the ring holds to the host record (one device sync) and empty it; a no-op without a ring.
