@@ -311,7 +311,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "methods")
     parser.add_argument("--config", action="append", default=[], help="a config stacked on conf/sim.yaml (repeatable)")
-    parser.add_argument("--name", default="sim", help="results section and figure prefix (sim: the CPU run's)")
+    parser.add_argument("--name", default=None,
+                        help="results section and figure prefix (sim: the CPU run's); --report defaults to sim, a "
+                             "fitting run writes docs/ only when named (a run of some methods or seeds would "
+                             "otherwise replace a whole section with its own share)")
     parser.add_argument("--report", action="store_true", help="merge the JSON files and report; fit nothing")
     parser.add_argument("--merge", nargs="*", type=Path, default=[], help="more directories of run JSON files")
     parser.add_argument("--no-docs", action="store_true", help="print the table only (docs/ left alone)")
@@ -335,6 +338,10 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(table_lines(aggregate(results), results)))
     if args.no_docs or not results:
         return
+    if args.name is None and not args.report:
+        print("docs/ left alone: pass --name to write a section, or merge every run with --report [--name NAME]")
+        return
+    args.name = args.name or "sim"
     prefix = "" if args.name == "sim" else f"{args.name}_"
     figures = all([plot(results, key, ROOT / "docs" / "figures" / f"{prefix}{figure}")
                    for key, figure in (("reward", "rl_reward.png"), ("k3_kl", "rl_k3_kl.png"))])

@@ -149,3 +149,19 @@ def test_a_report_replaces_its_table_and_keeps_the_sections_reading(tmp_path: Pa
     text = (docs / "results.md").read_text()
     assert "old table" not in text and "| bf16 | 1 |" in text
     assert "### Reading the runs\n\nwritten by hand" in text and "## Next\n\nkept too" in text
+
+
+def test_a_fitting_run_writes_docs_only_when_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A run of two methods once replaced the whole CPU section with its own share: unnamed, it prints its table."""
+    written: list[str] = []
+    monkeypatch.setattr(rm, "warm_start", lambda seed, steps, out, fit_args: (out / "warm.ckpt", {}))
+    monkeypatch.setattr(rm, "run_method", lambda method, seed, *a: _run(method, seed, 0.5, 0.4, 0.6))
+    monkeypatch.setattr(rm, "load_results", lambda dirs: [_run("fp4_qat_tis", 0, 0.5, 0.4, 0.6)])
+    monkeypatch.setattr(rm, "plot", lambda *a: False)
+    monkeypatch.setattr(rm, "write_results", lambda results, command, name, figures: written.append(name))
+    rm.main(["--methods", "fp4_qat_tis", "--out", str(tmp_path)])
+    assert written == [] and "docs/ left alone" in capsys.readouterr().out
+    rm.main(["--methods", "fp4_qat_tis", "--out", str(tmp_path), "--name", "probe"])
+    rm.main(["--methods", "fp4_qat_tis", "--out", str(tmp_path), "--report"])
+    assert written == ["probe", "sim"]
