@@ -115,6 +115,21 @@ def ring_runs(positions: Tensor, rows: Tensor) -> list[tuple[int, int, int, int,
                     positions[fwd_rows, columns].tolist(), lengths.tolist(), strict=True))
 
 
+class _ForwardInput:
+    """A Recorder attribute the engine sets before a forward (a tensor or None): setting it drops the target
+    computed for the last forward."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.name)
+
+    def __set__(self, obj: Any, value: Tensor | None) -> None:
+        setattr(obj, self.name, value)
+        obj._targets = None
+
+
 class Recorder:
     """Writes the requested (layer, site) FP4 rows, packed by ``layout``, and every layer's routes, by token position.
 
@@ -162,32 +177,12 @@ class Recorder:
             self.ring_pos = torch.full((fwd_rows, ring), -1, dtype=torch.long, device=device)
             self.ring_row = torch.zeros((fwd_rows, ring), dtype=torch.long, device=device)
 
-    @property
-    def positions(self) -> Tensor | None:
-        """(B, T) positions of the current forward (the engine sets them before each forward)."""
-        return self._positions
-
-    @positions.setter
-    def positions(self, value: Tensor | None) -> None:
-        self._positions, self._targets = value, None
-
-    @property
-    def rows(self) -> Tensor | None:
-        """(B,) output row of each batch row (continuous batching); None: batch row b is output row b."""
-        return self._rows
-
-    @rows.setter
-    def rows(self, value: Tensor | None) -> None:
-        self._rows, self._targets = value, None
-
-    @property
-    def step(self) -> Tensor | None:
-        """The decode step counter ((1,) or one per slot) while decoding; None during a prefill."""
-        return self._step
-
-    @step.setter
-    def step(self, value: Tensor | None) -> None:
-        self._step, self._targets = value, None
+    positions = _ForwardInput()
+    """(B, T) positions of the current forward (the engine sets them before each forward)."""
+    rows = _ForwardInput()
+    """(B,) output row of each batch row (continuous batching); None: batch row b is output row b."""
+    step = _ForwardInput()
+    """The decode step counter ((1,) or one per slot) while decoding; None during a prefill."""
 
     def begin(self, length: int) -> None:
         """A generate call of up to `length` positions starts in these buffers (what an earlier call wrote there is
