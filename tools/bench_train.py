@@ -50,20 +50,18 @@ def micro_step(policy: Transformer, tokens: torch.Tensor, hook_factory: Callable
     return logprobs.detach()
 
 
-def rollout_record(policy: Transformer, tokens: torch.Tensor, on_host: bool) -> BatchRecord:
+def rollout_record(policy: Transformer, tokens: torch.Tensor) -> BatchRecord:
     """Parity records of every layer for tokens[:, :-1], as the FP4 engine captures them (a prefill of the tokens,
-    bf16 compute), in pinned host memory if `on_host` (the long fit's records_on_host), else on the device."""
+    bf16 compute), in host memory (pinned on a GPU), where the long fit holds them (records_on_host)."""
     engine = Engine(copy.deepcopy(policy), FP4Precision(compute_dtype="bf16"))
     out = engine.generate(tokens.tolist(), SamplingParams(max_new_tokens=1, stop_token_ids=[]),
                           capture=CaptureSpec(mode="parity"))
     assert out.record is not None
     record = out.record.window(tokens.shape[1] - 1)
     del engine, out
-    if on_host:
-        host = record.to("cpu")
-        record = dataclasses.replace(host, data=host.data.contiguous().pin_memory() if tokens.is_cuda else
-                                     host.data.contiguous())
-    return record
+    host = record.to("cpu")
+    data = host.data.contiguous()
+    return dataclasses.replace(host, data=data.pin_memory() if tokens.is_cuda else data)
 
 
 def timed(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[float, torch.Tensor]:
@@ -121,7 +119,7 @@ def main() -> None:
     }
     hooks["fake_quant, step cache, torch ops"] = hooks["fake_quant, step cache"]  # the same hook, unfused
     if "guided parity, step cache" in args.hooks:
-        record = rollout_record(policy, tokens, on_host=True)
+        record = rollout_record(policy, tokens)
         valid = torch.ones(args.micro_batch, args.seq - 1, dtype=torch.bool, device=device)
         if args.pad:
             valid[0, -args.pad:] = False

@@ -72,13 +72,14 @@ def fp4_integers(q: NVFP4) -> Tensor:
 
 
 def fp4_matmul(ia: Tensor, ib: Tensor, a_global: Tensor, b_global: Tensor) -> Tensor:
-    """a [M, K] @ b [N, K].T of FP4 integers (fp4_integers) with row globals a_global [M], b_global [N] -> float32
-    [M, N], rounded once per output from an exact float64 integer sum (any BLAS order gives the same bits)."""
+    """a [..., M, K] @ b [..., N, K].T of FP4 integers (fp4_integers) with row globals a_global [..., M], b_global
+    [..., N] -> float32 [..., M, N], rounded once per output from an exact float64 integer sum (any BLAS order, and
+    any batching of leading dims, gives the same bits)."""
     K = ia.shape[-1]
-    total = ia[:, :EXACT_K] @ ib[:, :EXACT_K].T
+    total = ia[..., :EXACT_K] @ ib[..., :EXACT_K].transpose(-1, -2)
     for k in range(EXACT_K, K, EXACT_K):  # fixed order over exact partials
-        total = total + ia[:, k : k + EXACT_K] @ ib[:, k : k + EXACT_K].T
-    scaled = total * 2.0**-20 * a_global.double()[:, None] * b_global.double()[None, :]
+        total = total + ia[..., k : k + EXACT_K] @ ib[..., k : k + EXACT_K].transpose(-1, -2)
+    scaled = total * 2.0**-20 * a_global.double()[..., :, None] * b_global.double()[..., None, :]
     return scaled.float()
 
 
@@ -183,16 +184,11 @@ def grouped_fp4_linear(x_value: Tensor, xq: NVFP4, w_value: Tensor | None, w_int
     whatever its group's size or the other groups (a Python loop over experts launched ~20 kernels an expert)."""
     slots = group_slots(counts)
     group, place, _ = slots
-    ints, globals_ = fp4_integers(xq), xq.global_scale.reshape(-1)
-    G, K = w_ints.shape[0], ints.shape[-1]
+    G = w_ints.shape[0]
 
-    def compute() -> Tensor:
-        a = padded(ints, slots, G)
-        total = torch.bmm(a[..., :EXACT_K], w_ints[..., :EXACT_K].transpose(1, 2))
-        for k in range(EXACT_K, K, EXACT_K):  # fixed order over exact partials
-            total = total + torch.bmm(a[..., k : k + EXACT_K], w_ints[..., k : k + EXACT_K].transpose(1, 2))
-        scaled = total[group, place] * 2.0**-20 * globals_.double()[:, None] * w_global.double()[group]
-        return scaled.float()
+    def compute() -> Tensor:  # padded rows are zeros with zero globals: they never reach a real row
+        ints, globals_ = padded(fp4_integers(xq), slots, G), padded(xq.global_scale.reshape(-1), slots, G)
+        return fp4_matmul(ints, w_ints, globals_, w_global)[group, place]
 
     if w_value is None:
         return compute()
