@@ -8,8 +8,9 @@ timed micro-steps reuse the warm-up's), or trace_compact's guided forward (`guid
 layer that the FP4 engine captured for these tokens, in pinned host memory, with pad positions; the long fit's
 training is 2x bf16's per token while plain fake quant here costs +4.5%, so this row is where to look first).
 Variants: the MoE's expert GEMMs as a loop over experts or as one grouped GEMM, and fp32 matmuls in full fp32 or
-TF32. Prints ms a micro-step, tokens/s, peak GiB, and each variant's largest logprob difference from the first;
-`--profile` adds the first variant's largest kernels and host ops.
+TF32, or the forward under bf16 autocast (the fit's `--model.train_compute bf16`). Prints ms a micro-step,
+tokens/s, peak GiB, and each variant's largest logprob difference from the first; `--profile` adds the first
+variant's largest kernels and host ops.
 """
 
 from __future__ import annotations
@@ -34,17 +35,20 @@ from trace_lightning.quant import fake as fake_module
 from trace_lightning.rl.logprobs import token_logprobs
 from trace_lightning.rollout import CaptureSpec, Engine, FP4Precision, SamplingParams
 
-VARIANTS = {  # name: (expert GEMMs grouped, fp32 matmul precision)
-    "loop, fp32": (False, "highest"),
-    "grouped, fp32": (True, "highest"),
-    "grouped, tf32": (True, "high"),
+VARIANTS = {  # name: (expert GEMMs grouped, fp32 matmul precision, autocast dtype: the fit's train_compute)
+    "loop, fp32": (False, "highest", None),
+    "grouped, fp32": (True, "highest", None),
+    "grouped, tf32": (True, "high", None),
+    "grouped, bf16 autocast": (True, "highest", torch.bfloat16),
 }
 
 
-def micro_step(policy: Transformer, tokens: torch.Tensor, hook_factory: Callable[[], QuantHook]) -> torch.Tensor:
+def micro_step(policy: Transformer, tokens: torch.Tensor, hook_factory: Callable[[], QuantHook],
+               autocast: torch.dtype | None = None) -> torch.Tensor:
     hook = hook_factory()
     hook.deferred = True  # as the training forward runs it: one host sync after the forward, not one a site
-    logits = policy(tokens[:, :-1], hook=hook)
+    with torch.autocast(tokens.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        logits = policy(tokens[:, :-1], hook=hook)
     logprobs = token_logprobs(logits.float(), tokens[:, 1:])
     (-logprobs.mean()).backward()
     return logprobs.detach()
@@ -137,7 +141,7 @@ def main() -> None:
         # "torch ops": the reference quantizer's ops instead of the fused fake-quant kernels (the path before them)
         fake_module._fused_wanted = (lambda x: False) if hook_name.endswith("torch ops") else fused_default  # noqa: ARG005
         for variant in args.variants:
-            grouped, precision = VARIANTS[variant]
+            grouped, precision, autocast = VARIANTS[variant]
             model_module._use_grouped_mm = same_dtype if grouped else (lambda x, w: False)  # noqa: ARG005
             for experts in (layer.moe.experts for layer in policy.layers):
                 experts.use_grouped_mm = grouped
@@ -147,7 +151,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             policy.zero_grad(set_to_none=True)
             step_weights.clear()
-            step = partial(micro_step, policy, tokens, hooks[hook_name])
+            step = partial(micro_step, policy, tokens, hooks[hook_name], autocast)
             try:
                 seconds, logprobs = timed(step, args.reps, device)
             except torch.OutOfMemoryError:

@@ -115,6 +115,8 @@ def test_relabelled_checkpoint_is_refused_by_the_cli(files: dict[str, str], tmp_
 @pytest.mark.parametrize(("args", "expected"), [
     (["--trainer.accelerator", "gpu"], "--trainer.accelerator gpu: torch sees no CUDA GPU"),
     (["--model.rollout", "5"], "--model.rollout takes a mapping of its settings, got '5'"),
+    (["--trainer.precision", "bf16-mixed"], "--trainer.precision bf16-mixed: trace-rl keeps Lightning at 32-true"),
+    (["--model.train_compute", "fp16"], "unknown train_compute 'fp16'"),
 ])
 def test_a_bad_trainer_or_group_value_is_one_line(args: list[str], expected: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,

@@ -24,6 +24,7 @@ from trace_lightning.lit.cli_checks import (
     check_checkpoint_fits,
     check_group_values,
     check_identity,
+    check_precision,
     drop_checkpoint_callbacks,
     explicit_model_keys,
 )
@@ -117,6 +118,7 @@ class TraceCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_accelerator(config.trainer)
+        check_precision(config.trainer)
         drop_checkpoint_callbacks(config.trainer)
         bar = [RLProgressBar()] if config.trainer.get("enable_progress_bar") is not False else []
         self.trainer_defaults["callbacks"] = [*bar, RunSummary()]

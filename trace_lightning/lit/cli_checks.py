@@ -65,6 +65,16 @@ def check_accelerator(trainer: Any) -> None:
                        "(conf/sim.yaml) or run where a GPU is visible")
 
 
+def check_precision(trainer: Any) -> None:
+    """`--trainer.precision bf16-mixed` would autocast the rollout engine's evaluation too (it runs in validation
+    steps) and the FP4 emulation with it: the training forward's compute is `--model.train_compute`."""
+    precision = str(trainer.get("precision") or "32-true").lower()
+    if precision not in ("32", "32-true"):
+        raise CLIError(f"--trainer.precision {precision}: trace-rl keeps Lightning at 32-true (its precision plugin "
+                       "would also cast the rollout engine's evaluation); use --model.train_compute bf16 for a bf16 "
+                       "training forward (the rollout's compute is --model.trace.rollout_compute)")
+
+
 def drop_checkpoint_callbacks(trainer: Any) -> list[str]:
     """With enable_checkpointing false, remove the config's ModelCheckpoint callbacks (Lightning refuses the pair);
     -> the class paths removed. A signal still saves `interrupted.ckpt` (StopOnSignal needs no ModelCheckpoint)."""

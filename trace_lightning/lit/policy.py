@@ -44,6 +44,9 @@ from trace_lightning.rl import (
 )
 from trace_lightning.timing import device_time, peak_memory_gib
 
+TRAIN_COMPUTE: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+"""`train_compute` settings and the autocast dtype of each (None: no autocast)."""
+
 
 def _as_config(cls: type, value: Any) -> Any:
     """A config dataclass from None (defaults), a dict (a loaded checkpoint's hparams) or an instance."""
@@ -109,6 +112,7 @@ class PolicyModule(L.LightningModule):
         cpu_threads: int = 0,
         init_from: str | None = None,
         micro_batch_size: int | None = None,
+        train_compute: str = "fp32",
     ) -> None:
         """
         Args:
@@ -134,6 +138,10 @@ class PolicyModule(L.LightningModule):
             micro_batch_size: Sequences per forward and backward pass; a step's gradients accumulate over its
                 micro-batches before the one optimizer step (the same update up to float summation order), so long
                 responses train within memory. None: the whole batch in one pass.
+            train_compute: The training forward's compute: fp32, or bf16 (torch.autocast over the policy's forward:
+                bf16 tensor-core GEMMs on a GPU, as the rollout's `trace.rollout_compute: bf16` computes; master
+                weights, gradients and the optimizer stay fp32). trace_exact trains in the rollout's compute dtype
+                itself and takes fp32 here.
         """
         super().__init__()
         self.trace = _as_config(TraceConfig, trace)
@@ -147,6 +155,12 @@ class PolicyModule(L.LightningModule):
         self.correction = self.rl.correction or self.method.correction
         check_run_args(self.rl, self.rollout_cfg, lr=lr, warmup_lr=warmup_lr, warmup_steps=warmup_steps,
                        micro_batch_size=micro_batch_size, cpu_threads=cpu_threads)
+        if train_compute not in TRAIN_COMPUTE:
+            raise ValueError(f"unknown train_compute {train_compute!r}; expected one of {sorted(TRAIN_COMPUTE)}")
+        self.train_dtype = TRAIN_COMPUTE[train_compute]
+        if self.method.exact and self.train_dtype is not None:
+            raise ValueError(f"train_compute {train_compute!r} with trace_exact: its training forward computes in the "
+                             f"rollout's dtype (set trace.rollout_compute), leave train_compute at fp32")
         # Manual optimization: a step is zero_grad, a backward per micro-batch, one optimizer step (training_step).
         self.automatic_optimization = False
         if self.correction not in CORRECTIONS:
@@ -243,6 +257,12 @@ class PolicyModule(L.LightningModule):
         self._log_train_time(step)
         return out
 
+    def train_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The training forward's compute (train_compute): bf16 autocast, or nothing for fp32."""
+        if self.train_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.train_dtype)
+
     def micro_batches(self, rows: int) -> list[slice]:
         return micro_batches(rows, self.hparams.micro_batch_size)
 
@@ -257,7 +277,8 @@ class PolicyModule(L.LightningModule):
         parts = self.micro_batches(batch.tokens.shape[0])
         for i, rows in enumerate(parts):
             tokens, mask, targets_mask = batch.tokens[rows], batch.attention_mask[rows], batch.target_mask[rows]
-            logits = self.policy(tokens[:, :-1], attention_mask=mask[:, :-1])
+            with self.train_autocast():
+                logits = self.policy(tokens[:, :-1], attention_mask=mask[:, :-1])
             targets = tokens[:, 1:].masked_fill(~targets_mask, -100)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
             self._check_finite(loss, "supervised loss")
@@ -288,13 +309,9 @@ class PolicyModule(L.LightningModule):
         checked = hook if isinstance(hook, FiniteCheckHook) else FiniteCheckHook()
         checked.deferred = True  # one host sync after the forward, not one a site
         try:
-            out = self.policy(
-                batch.tokens[:, :-1],
-                attention_mask=batch.attention_mask[:, :-1],
-                hook=hook or checked,
-                routed=routed,
-                return_routes=True,
-            )
+            with self.train_autocast():
+                out = self.policy(batch.tokens[:, :-1], attention_mask=batch.attention_mask[:, :-1],
+                                  hook=hook or checked, routed=routed, return_routes=True)
             checked.raise_if_nonfinite()
         except NonFiniteActivationError as err:
             raise NonFiniteError(f"step {self.global_step}: {err}") from err

@@ -211,7 +211,11 @@ def _use_grouped_mm(x: Tensor, w: Tensor) -> bool:
 
 
 def grouped_linear(x: Tensor, w: Tensor, counts: Tensor, use_grouped_mm: bool = True) -> Tensor:
-    """x (M, in) sorted by expert with counts (E,) rows each, w (E, out, in) -> (M, out); empty experts cost nothing."""
+    """x (M, in) sorted by expert with counts (E,) rows each, w (E, out, in) -> (M, out); empty experts cost nothing.
+    Under autocast both run in its dtype, as F.linear's would (torch's grouped GEMM is not on autocast's list)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     if use_grouped_mm and _use_grouped_mm(x, w):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
     chunks = x.split(counts.tolist())
