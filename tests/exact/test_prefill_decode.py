@@ -1,7 +1,8 @@
 """Prefill equals decode, bit for bit: the logits the exact engine decodes token by token are those of one forward
 over the whole sequence (the training step's), whatever the batch, a row's place in it, the prompt lengths, or
-continuous batching (rtol=0, atol=0). On the CPU and, where one is present, on a CUDA device (the same torch-op
-arithmetic: the exact engine runs it there too)."""
+continuous batching (rtol=0, atol=0). On the CPU and, where one is present, on a CUDA device; with the FP4 products
+on torch's float64 GEMMs (backend sim) and on the Triton exact GEMM kernel (backend triton: under Triton's
+interpreter on the CPU), while the training forward here always runs torch's: the two GEMMs agree bit for bit."""
 
 import copy
 
@@ -19,12 +20,19 @@ def master() -> Transformer:
     return Transformer(MoEConfig.from_name("debug-moe", n_layers=2))
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = [("cpu", "sim"), ("cpu", "triton"), ("cuda", "sim"), ("cuda", "auto")]
+"""(device, engine backend): "auto" is what a fit takes (on CUDA: the Triton exact GEMM, the sim's other ops)."""
 
 
-def _engine(master: Transformer, dtype: torch.dtype, device: str = "cpu") -> Engine:
-    """The exact engine on `device`, its backend chosen as a fit chooses it ("auto": the sim's ops, on CUDA too)."""
-    return Engine(copy.deepcopy(master).to(device), FP4Precision(compute_dtype=dtype), exact=True)
+def _case(where: tuple[str, str], *rest: object) -> object:
+    name = "-".join([*where, *(str(r).removeprefix("torch.") for r in rest)])
+    return pytest.param(where, *rest, marks=[pytest.mark.gpu] if where[0] == "cuda" else [], id=name)
+
+
+def _engine(master: Transformer, dtype: torch.dtype, where: tuple[str, str] = ("cpu", "sim")) -> Engine:
+    """The exact engine on `where`'s device with its backend."""
+    device, backend = where
+    return Engine(copy.deepcopy(master).to(device), FP4Precision(compute_dtype=dtype), backend=backend, exact=True)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -62,12 +70,16 @@ def _full_logits(master: Transformer, dtype: torch.dtype, seqs: list[list[int]],
         return forward(ids.to(device), attention_mask=mask.to(device)).logits
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [1, 5])
+INTERPRETED = ("cpu", "triton")
+"""Under Triton's interpreter a test takes ~30 s: one case of each test runs there."""
+DECODE_CASES = [_case(where, dtype, batch) for where in DEVICES for dtype in (torch.float32, torch.bfloat16)
+                for batch in (1, 5) if where != INTERPRETED or (dtype, batch) == (torch.bfloat16, 5)]
+
+
+@pytest.mark.parametrize(("where", "dtype", "batch"), DECODE_CASES)
 def test_decoded_logits_equal_the_full_forwards(master: Transformer, dtype: torch.dtype, batch: int,
-                                                device: str) -> None:
-    engine = _engine(master, dtype, device)
+                                                where: tuple[str, str]) -> None:
+    engine, device = _engine(master, dtype, where), where[0]
     prompts = _prompts(batch, seed=batch)
     g = torch.Generator().manual_seed(10 + batch)
     seqs = [p + torch.randint(1, 128, (4,), generator=g).tolist() for p in prompts]
@@ -84,11 +96,15 @@ def test_decoded_logits_equal_the_full_forwards(master: Transformer, dtype: torc
     assert torch.equal(moved, decoded[-1])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("max_batch", [None, 2])
-def test_sampled_logprobs_equal_the_training_forwards(master: Transformer, max_batch: int | None, device: str) -> None:
+SAMPLE_CASES = [_case(where, max_batch) for where in DEVICES for max_batch in (None, 2)
+                if where != INTERPRETED or max_batch == 2]
+
+
+@pytest.mark.parametrize(("where", "max_batch"), SAMPLE_CASES)
+def test_sampled_logprobs_equal_the_training_forwards(master: Transformer, max_batch: int | None,
+                                                      where: tuple[str, str]) -> None:
     """generate (static or continuous batching) against the training forward: every response token's logprob."""
-    engine = _engine(master, torch.float32, device)
+    engine, device = _engine(master, torch.float32, where), where[0]
     prompts = _prompts(6, seed=7)
     out = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3), max_batch=max_batch)
     seqs = [p + r for p, r in zip(prompts, out.responses, strict=True)]

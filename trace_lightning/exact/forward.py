@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from trace_lightning.rollout.cache import KVCache
 
 
+GEMMS = ("torch", "triton")
+"""How the exact FP4 products run: torch's float64 GEMMs (any device) or the Triton kernel (kernels/exact.py)."""
+
+
 def quantize_rows(x: Tensor) -> NVFP4:
     """NVFP4 of x [..., K] with a per-row global scale (what the rollout's activation hook and FP4 cache store)."""
     return _quantize_nvfp4(x, row_global_scale(x))
@@ -47,11 +51,14 @@ class ExactForward:
     """One forward of `model` (B, T tokens at `positions`) in `compute_dtype`: over `cache` (the engine) or over
     the whole right-padded sequences of `attention_mask` (training)."""
 
-    def __init__(self, model: Transformer, compute_dtype: torch.dtype, fmt: str = "nvfp4") -> None:
+    def __init__(self, model: Transformer, compute_dtype: torch.dtype, fmt: str = "nvfp4", gemm: str = "torch"
+                 ) -> None:
         if fmt != "nvfp4":
             raise ValueError(f"trace_exact computes NVFP4 only (integer-exact GEMMs need E4M3 scales), got {fmt!r}")
+        if gemm not in GEMMS:
+            raise ValueError(f"unknown exact gemm {gemm!r}; expected one of {GEMMS}")
         self.model, self.config, self.fmt = model, model.config, fmt
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.gemm = compute_dtype, gemm
         self._held: dict[tuple[int, str], tuple[tuple[int, int, int], Tensor, Tensor]] = {}
         """The engine's FP4 weights as integers, by module and key, while their tensors' versions hold."""
 
@@ -64,21 +71,41 @@ class ExactForward:
         return self.rnd(p.float())
 
     # ---- projections --------------------------------------------------------------------------------
-    def weight(self, module: nn.Module, key: str) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(FP4 integers [..., N, K], float32 row globals [..., N], straight-through values or None) of a Linear /
-        FP4Linear weight ("weight") or an Experts / FP4Experts stack ("w13", "w2")."""
+    def weight(self, module: nn.Module, key: str) -> tuple[NVFP4, Tensor | None]:
+        """(NVFP4 [..., N, K], straight-through values or None) of a Linear / FP4Linear weight ("weight") or an
+        Experts / FP4Experts stack ("w13", "w2")."""
         held = getattr(module, "q", None)
         if held is None:  # the trainer's master weight, quantized by the converter's quantizer
             w = getattr(module, key)
             q = quantize_weight(w.detach(), self.fmt)
-            return arith.fp4_integers(q), row_globals(q), arith.straight_through(w, q)
-        q = canonical(held[key] if isinstance(held, dict) else held)  # the engine's, from its last sync
-        version = (q.packed._version, q.scales._version, q.packed.data_ptr())
+            return q, arith.straight_through(w, q)
+        return canonical(held[key] if isinstance(held, dict) else held), None  # the engine's, from its last sync
+
+    def integers(self, module: nn.Module, key: str, w: NVFP4, held: bool) -> tuple[Tensor, Tensor]:
+        """(FP4 integers [..., N, K], float32 row globals [..., N]) of the module's weight w for the torch GEMMs; an
+        engine's (`held`) kept while its tensors' versions hold (a weight sync overwrites the codes in place)."""
+        if not held:
+            return arith.fp4_integers(w), row_globals(w)
+        version = (w.packed._version, w.scales._version, w.packed.data_ptr())
         kept = self._held.get((id(module), key))
-        if kept is None or kept[0] != version:  # a weight sync overwrote the codes in place
-            kept = version, arith.fp4_integers(q), row_globals(q)
+        if kept is None or kept[0] != version:
+            kept = version, arith.fp4_integers(w), row_globals(w)
             self._held[(id(module), key)] = kept
-        return kept[1], kept[2], None
+        return kept[1], kept[2]
+
+    def fp4_product(self, module: nn.Module, key: str, rows: Tensor, counts: Tensor | None = None) -> Tensor:
+        """rows [P, K] quantized per row, through the module's FP4 weight (a stack of groups with `counts` rows each)
+        -> float32 [P, N]: the exact product, by torch's float64 GEMMs or the Triton kernel (the same bits)."""
+        w, w_value = self.weight(module, key)
+        value, xq = self.fp4_rows(rows)
+        if self.gemm == "triton":
+            from trace_lightning.kernels.exact import exact_fp4_gemm  # Triton: imported where it runs
+
+            return arith.exact_product(lambda: exact_fp4_gemm(xq, w, counts), value, w_value, counts)
+        ints, globals_ = self.integers(module, key, w, held=w_value is None)
+        if counts is None:
+            return arith.fp4_linear(value, xq, w_value, ints, globals_)
+        return arith.grouped_fp4_linear(value, xq, w_value, ints, globals_, counts)
 
     def fp4_rows(self, x: Tensor) -> tuple[Tensor, NVFP4]:
         """(straight-through values for the backward, NVFP4) of activation rows x [M, K]; without a gradient the
@@ -90,9 +117,7 @@ class ExactForward:
         """x (..., K) -> (..., N) through a projection: W4A4 in quantized layers, dense tree GEMM otherwise."""
         rows = x.reshape(-1, x.shape[-1])
         if quantized:
-            value, xq = self.fp4_rows(rows)
-            wq, wg, w_value = self.weight(module, "weight")
-            y = arith.fp4_linear(value, xq, w_value, wq, wg)
+            y = self.fp4_product(module, "weight", rows)
         else:
             y = arith.dense_linear(rows, self.param(module.weight))
         y = self.rnd(y).view(*x.shape[:-1], -1)
@@ -172,9 +197,9 @@ class ExactForward:
         inverse[order] = torch.arange(order.numel(), device=order.device)
         rows = x.reshape(-1, D)[order // K]  # (N*K, D) in expert order
         counts = torch.bincount(flat, minlength=self.config.n_experts)
-        if quantized:  # every expert's rows in one batched exact GEMM a projection
-            h = self._swiglu(self._grouped(experts, "w13", rows, counts))
-            y = self._grouped(experts, "w2", h, counts)
+        if quantized:  # every expert's rows in one exact grouped GEMM a projection
+            h = self._swiglu(self.fp4_product(experts, "w13", rows, counts))
+            y = self.fp4_product(experts, "w2", h, counts)
         else:
             project, split = self._projector(experts), counts.tolist()
             h = torch.cat([self._swiglu(project("w13", e, part)) for e, part in enumerate(rows.split(split))])
@@ -188,12 +213,6 @@ class ExactForward:
     def _swiglu(self, gu: Tensor) -> Tensor:
         gate, up = self.rnd(gu).chunk(2, dim=-1)
         return self.rnd(torch.nn.functional.silu(gate) * up)
-
-    def _grouped(self, experts: nn.Module, key: str, rows: Tensor, counts: Tensor) -> Tensor:
-        """rows [P, K] sorted by expert (counts [E]) through each one's FP4 w13 or w2 -> [P, N]."""
-        ints, wg, w_value = self.weight(experts, key)
-        value, xq = self.fp4_rows(rows)
-        return arith.grouped_fp4_linear(value, xq, w_value, ints, wg, counts)
 
     def _projector(self, experts: nn.Module) -> Callable[[str, int, Tensor], Tensor]:
         """(key, expert, rows [n, K]) -> rows [n, N] through that expert's dense w13 or w2 (an unquantized layer)."""

@@ -90,9 +90,12 @@ class Engine:
         self.precision = precision
         self.config = model.config
         self.device = next(model.parameters()).device
-        # exact: the invariant arithmetic (trace_lightning/exact) is torch ops, on any device; "auto" takes the sim's
-        # ops for the rest (quantizers, cache) there too, as the Triton kernels are not batch-invariant
-        self.ops: ModuleType = backend_for(self.device, "sim" if exact and backend == "auto" else backend)
+        # exact: the invariant arithmetic (trace_lightning/exact) is torch ops on any device, with the sim's ops for
+        # the quantizers and the cache; where the backend is Triton its FP4 products run the exact GEMM kernel
+        self.ops: ModuleType = backend_for(self.device, backend)
+        self._exact_gemm = "triton" if is_triton(self.ops) else "torch"
+        if exact:
+            self.ops = backend_for(self.device, "sim")
         self.sync_every = max(1, sync_every)
         # decode steps replay as one CUDA graph on GPU (rollout/decode.py); not the exact forward's (host-side loops)
         self.cuda_graph = cuda_graph and not exact
@@ -362,18 +365,15 @@ class Engine:
 
     # ---- pieces of a generate call -----------------------------------------------------------------
     def _exact_forward(self, exact: bool) -> ExactForward | None:
-        """The batch-invariant forward (trace_lightning/exact) when `exact`: the sim backend, NVFP4 weights,
-        activations and KV cache (what it computes exactly); None otherwise."""
+        """The batch-invariant forward (trace_lightning/exact) when `exact`: NVFP4 weights, activations and KV cache
+        (what it computes exactly); None otherwise."""
         if not exact:
             return None
         fp4 = self.fp4
-        if is_triton(self.ops):
-            raise ValueError("exact=True runs the sim backend's ops (backend 'sim' or 'auto'): the Triton kernels "
-                             "are not batch-invariant yet")
         if fp4 is None or fp4.fmt != "nvfp4" or not (fp4.weights and fp4.activations and fp4.kv):
             raise ValueError(f"exact=True needs NVFP4 weights, activations and KV cache; precision is "
                              f"{self.precision!r}")
-        return ExactForward(self.model, self.compute_dtype, fp4.fmt)
+        return ExactForward(self.model, self.compute_dtype, fp4.fmt, gemm=self._exact_gemm)
 
     def _fake_quantizer(self) -> RowFakeQuantizer:
         assert self.fp4 is not None

@@ -1,0 +1,120 @@
+"""The exact W4A4 GEMM kernel (trace_exact on the Triton backend): the same bits as the exact reference arithmetic
+and as integer sums over ml_dtypes' decoding, whatever rows share the launch (rtol=0, atol=0)."""
+
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from trace_lightning.exact import ExactForward, arith
+from trace_lightning.exact.forward import quantize_rows
+from trace_lightning.kernels.exact import exact_fp4_gemm, group_tiles
+from trace_lightning.model import MoEConfig, Transformer
+from trace_lightning.quant import NVFP4, quantize_weight
+from trace_lightning.sim._weights import row_globals
+
+
+def _operands(P: int, N: int, K: int, device: str, groups: int = 0, seed: int = 0) -> tuple[NVFP4, NVFP4]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(P, K, generator=g) * torch.logspace(-3, 2, P)[:, None]
+    x[0, :16] = 0.0  # an all-zero block
+    w = torch.randn(*((groups,) if groups else ()), N, K, generator=g) * 0.05
+    return quantize_rows(x.to(device)), quantize_weight(w.to(device), "nvfp4")
+
+
+def _reference(xq: NVFP4, wq: NVFP4) -> torch.Tensor:
+    return arith.fp4_matmul(arith.fp4_integers(xq), arith.fp4_integers(wq), xq.global_scale.reshape(-1),
+                            row_globals(wq))
+
+
+@pytest.mark.parametrize(("P", "N", "K"), [(5, 24, 64), (19, 70, 160), (3, 9, 2080)])
+def test_kernel_equals_the_exact_reference(P: int, N: int, K: int, device: str) -> None:
+    xq, wq = _operands(P, N, K, device)
+    torch.testing.assert_close(exact_fp4_gemm(xq, wq), _reference(xq, wq), rtol=0, atol=0)
+
+
+def test_kernel_equals_integer_sums_of_ml_dtypes_values(device: str) -> None:
+    """The oracle: ml_dtypes decodes every E2M1 code and E4M3 scale, Python sums the products exactly (fractions),
+    then the sum times the row globals in float64, rounded once to float32."""
+    xq, wq = _operands(4, 6, 48, device, seed=3)
+
+    def values(q: NVFP4) -> list[list[Fraction]]:
+        codes = q.codes().cpu().numpy().astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+        scales = q.scales.cpu().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        local = codes.reshape(*codes.shape[:-1], -1, 16) * scales[..., None]  # exact: <= 6 significant bits
+        return [[Fraction(float(v)) for v in row] for row in local.reshape(codes.shape)]
+
+    xs, ws = values(xq), values(wq)
+    xg, wg = xq.global_scale.reshape(-1).double().cpu().numpy(), row_globals(wq).double().cpu().numpy()
+    expected = torch.tensor([[np.float32(np.float64(sum(a * b for a, b in zip(xr, wr, strict=True))) * xg[i] * wg[j])
+                              for j, wr in enumerate(ws)] for i, xr in enumerate(xs)])
+    torch.testing.assert_close(exact_fp4_gemm(xq, wq).cpu(), expected, rtol=0, atol=0)
+
+
+def test_a_row_gets_the_same_bits_in_any_batch(device: str) -> None:
+    xq, wq = _operands(21, 40, 96, device, seed=5)
+    full = exact_fp4_gemm(xq, wq)
+    for rows in (slice(0, 1), slice(7, 8), slice(3, 20)):
+        part = NVFP4(packed=xq.packed[rows], scales=xq.scales[rows], global_scale=xq.global_scale[rows])
+        torch.testing.assert_close(exact_fp4_gemm(part, wq), full[rows], rtol=0, atol=0)
+
+
+def test_grouped_rows_get_their_own_groups_bits(device: str) -> None:
+    counts = torch.tensor([3, 0, 17, 1, 0, 20], device=device)
+    xq, wq = _operands(int(counts.sum()), 32, 64, device, groups=6, seed=7)
+    out = exact_fp4_gemm(xq, wq, counts)
+    torch.testing.assert_close(out, arith.grouped_fp4_linear(None, xq, None, arith.fp4_integers(wq), row_globals(wq),
+                                                             counts), rtol=0, atol=0)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        rows = slice(start, start + n)
+        alone = NVFP4(packed=wq.packed[e], scales=wq.scales[e], global_scale=row_globals(wq)[e][:, None])
+        part = NVFP4(packed=xq.packed[rows], scales=xq.scales[rows], global_scale=xq.global_scale[rows])
+        torch.testing.assert_close(out[rows], exact_fp4_gemm(part, alone), rtol=0, atol=0)
+        start += n
+
+
+def test_group_tiles_cover_every_row_once() -> None:
+    counts = torch.tensor([3, 0, 17, 1, 0, 20])
+    group, start, end = group_tiles(counts, int(counts.sum()), block_m=8)
+    covered = torch.zeros(int(counts.sum()), dtype=torch.int64)
+    bounds = torch.cumsum(counts, 0)
+    for g, s, e in zip(group.tolist(), start.tolist(), end.tolist(), strict=True):
+        if s < e:
+            covered[s:e] += 1
+            assert bounds[g] - counts[g] <= s and e <= bounds[g] and e - s <= 8  # within one group
+    assert torch.equal(covered, torch.ones_like(covered))
+
+
+def test_mismatched_shapes_are_named(device: str) -> None:
+    xq, wq = _operands(2, 8, 64, device)
+    _, wide = _operands(2, 8, 96, device)
+    with pytest.raises(ValueError, match="K a multiple of 16 on both sides, got 64 and 96"):
+        exact_fp4_gemm(xq, wide)
+    _, stack = _operands(2, 8, 64, device, groups=2)
+    with pytest.raises(ValueError, match="needs the rows' counts"):
+        exact_fp4_gemm(xq, stack)
+
+
+def test_training_forward_on_the_kernel_equals_torchs_with_its_gradients(device: str) -> None:
+    """trace_exact's training forward (master weights, autograd) with its FP4 products on the kernel: the logits and
+    every gradient equal those of the torch GEMMs'."""
+    torch.manual_seed(0)
+    master = Transformer(MoEConfig.from_name("debug-moe", n_layers=1)).to(device)
+    ids = torch.randint(1, 128, (2, 7), device=device)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 5:] = False
+    results = []
+    for gemm in ("torch", "triton"):
+        master.zero_grad(set_to_none=True)
+        logits = ExactForward(master, torch.float32, gemm=gemm)(ids, attention_mask=mask).logits
+        logits.float().log_softmax(-1)[..., 3].sum().backward()
+        grads = {k: p.grad.clone() for k, p in master.named_parameters() if p.grad is not None}
+        results.append((logits.detach(), grads))
+    (logits, grads), (kernel_logits, kernel_grads) = results
+    torch.testing.assert_close(kernel_logits, logits, rtol=0, atol=0)
+    assert grads.keys() == kernel_grads.keys() and any("w13" in k for k in grads)
+    for k in grads:
+        torch.testing.assert_close(kernel_grads[k], grads[k], rtol=0, atol=0, msg=k)

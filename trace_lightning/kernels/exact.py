@@ -1,0 +1,131 @@
+"""The exact W4A4 GEMM of trace_exact on the Triton backend: `arith.fp4_matmul`'s bits, one launch.
+
+A row's result must not depend on the rows beside it, the tile shapes or prefill versus decode. Here that holds
+because nothing is rounded until the end: a 16-wide block's sum of (2 * E2M1) products is an integer of at most
+2304, exact in the MMA's float32 accumulator; times the two blocks' E4M3 scales * 2^9 (integers below 2^18) it is
+below 2^48, and the float64 sum of up to 1024 such terms (EXACT_K) stays exact whatever the order. Longer
+reductions add exact 1024-wide partials in order, then the sum is scaled by 2^-20 and the two row globals in float64
+and rounded once to float32: the same operations, in the same order, as `arith.fp4_matmul`, so the two agree bit for
+bit (tested), and the rollout on this kernel computes what training computes on either.
+
+Groups (an MoE's experts): rows sorted by group, `counts` a group; each program takes BLOCK_M rows of one group,
+found from device tensors of a static size, so nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from trace_lightning.kernels._common import mma_dtype
+from trace_lightning.kernels._fp4 import e2m1_to_f16_scaled, e4m3_to_f32, unpack_codes
+from trace_lightning.quant import NVFP4
+from trace_lightning.quant.words import canonical
+from trace_lightning.sim._weights import row_globals
+
+EXACT_K = 1024
+"""Reduction length whose float64 sum of FP4 integer products is exact (arith.EXACT_K)."""
+BLOCK_M, BLOCK_N = 16, 64
+
+
+@triton.jit
+def _twice_e2m1(codes, DOT: tl.constexpr):
+    """2 * E2M1 value of int32 codes, an integer in [-12, 12]: exact in fp16 (and in the interpreter's float32)."""
+    return (e2m1_to_f16_scaled(codes).to(tl.float32) * 32768.0).to(DOT)
+
+
+@triton.jit
+def _exact_fp4_gemm_kernel(
+    a_ptr, a_scale_ptr, a_global_ptr,  # rows [P, K/2] uint8, [P, K/16] E4M3 bytes, [P] float32
+    b_ptr, b_scale_ptr, b_global_ptr,  # weights [G, N, K/2], [G, N, K/16], [G, N]
+    out_ptr,  # [P, N] float32
+    tile_group_ptr, tile_start_ptr, tile_end_ptr,  # per program along axis 0: its group and rows [start, end)
+    N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_K: tl.constexpr, DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    start, end = tl.load(tile_start_ptr + tile), tl.load(tile_end_ptr + tile)
+    if start >= end:
+        return
+    group = tl.load(tile_group_ptr + tile).to(tl.int64)
+    rows = start + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < end, cols < N
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    b_rows = group * N + cols64  # the group's weight rows
+    half, byte, blocks = K // 2, tl.arange(0, 8), K // 16
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
+    for k0 in range(0, K, EXACT_K):
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
+        for kb in range(k0 // 16, tl.minimum(k0 + EXACT_K, K) // 16):
+            a_bytes = tl.load(a_ptr + rows64[:, None] * half + kb * 8 + byte[None, :], mask=row_ok[:, None], other=0)
+            b_bytes = tl.load(b_ptr + b_rows[:, None] * half + kb * 8 + byte[None, :], mask=col_ok[:, None], other=0)
+            a = _twice_e2m1(unpack_codes(a_bytes, BLOCK_M, 16), DOT)
+            b = _twice_e2m1(unpack_codes(b_bytes, BLOCK_N, 16), DOT)
+            block = tl.dot(a, tl.trans(b), input_precision=PRECISION)  # integers <= 2304: exact in float32
+            a_scale = tl.load(a_scale_ptr + rows64 * blocks + kb, mask=row_ok, other=0).to(tl.int32)
+            b_scale = tl.load(b_scale_ptr + b_rows * blocks + kb, mask=col_ok, other=0).to(tl.int32)
+            a_int = (e4m3_to_f32(a_scale) * 512.0).to(tl.float64)  # E4M3 * 2^9: an integer below 2^18
+            b_int = (e4m3_to_f32(b_scale) * 512.0).to(tl.float64)
+            part += block.to(tl.float64) * (a_int[:, None] * b_int[None, :])
+        total += part  # exact partials added in order, as arith.fp4_matmul adds them
+    a_global = tl.load(a_global_ptr + rows64, mask=row_ok, other=0.0).to(tl.float64)
+    b_global = tl.load(b_global_ptr + b_rows, mask=col_ok, other=0.0).to(tl.float64)
+    out = total * 0.00000095367431640625 * a_global[:, None] * b_global[None, :]  # 2^-20, then the globals
+    tl.store(out_ptr + rows64[:, None] * N + cols64[None, :], out.to(tl.float32),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def group_tiles(counts: Tensor, rows: int, block_m: int = BLOCK_M) -> tuple[Tensor, Tensor, Tensor]:
+    """(group, first row, end row) of each of rows // block_m + groups programs, for `rows` rows sorted by group with
+    `counts` (G,) a group: BLOCK_M-row tiles that never span two groups; programs past the last tile get no rows.
+    Device ops of static shapes (a CUDA graph can hold them)."""
+    G = counts.numel()
+    counts = counts.to(torch.int64)
+    tiles = (counts + block_m - 1) // block_m
+    tile_ends = tiles.cumsum(0)
+    tile = torch.arange(rows // block_m + G, device=counts.device)
+    group = torch.searchsorted(tile_ends, tile, right=True)
+    used = group < G
+    group = group.clamp(max=G - 1)
+    row_starts = counts.cumsum(0) - counts
+    start = row_starts[group] + (tile - (tile_ends - tiles)[group]) * block_m
+    end = torch.minimum(start + block_m, row_starts[group] + counts[group])
+    start, end = torch.where(used, start, 0), torch.where(used, end, 0)
+    return group.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
+
+
+def exact_fp4_gemm(xq: NVFP4, w: NVFP4, counts: Tensor | None = None) -> Tensor:
+    """Activation rows xq [P, K] (per-row globals) @ FP4 weight w [N, K] (or [G, N, K] with rows sorted by group,
+    `counts` (G,) a group) -> float32 [P, N], bit for bit `arith.fp4_matmul` of their FP4 integers."""
+    w = canonical(w)
+    P, K = xq.packed.shape[0], xq.packed.shape[-1] * 2
+    if K % 16 or w.packed.shape[-1] * 2 != K:
+        raise ValueError(f"exact_fp4_gemm needs K a multiple of 16 on both sides, got {K} and "
+                         f"{w.packed.shape[-1] * 2}")
+    stacked = w.packed.dim() == 3
+    G, N = (w.packed.shape[0], w.packed.shape[1]) if stacked else (1, w.packed.shape[0])
+    if counts is None:
+        if stacked:
+            raise ValueError("a stack of weights [G, N, K] needs the rows' counts a group")
+        counts = torch.full((1,), P, dtype=torch.int64, device=xq.packed.device)
+    group, start, end = group_tiles(counts, P)
+    a_global = xq.global_scale.reshape(-1).float().contiguous()
+    if a_global.numel() != P:
+        raise ValueError(f"exact_fp4_gemm needs one global scale a row ({P}), got {a_global.numel()}")
+    out = torch.empty(P, N, dtype=torch.float32, device=xq.packed.device)
+    if P == 0:
+        return out
+    device = xq.packed.device
+    grid = (group.numel(), triton.cdiv(N, BLOCK_N))
+    _exact_fp4_gemm_kernel[grid](
+        xq.packed.contiguous(), xq.scales.contiguous().view(torch.uint8), a_global,
+        w.packed.contiguous(), w.scales.contiguous().view(torch.uint8), row_globals(w).float().contiguous(),
+        out, group, start, end, N, K,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT_K=EXACT_K, DOT=mma_dtype(torch.float16, device),
+        PRECISION="ieee" if device.type != "cuda" else "tf32",
+    )
+    return out
