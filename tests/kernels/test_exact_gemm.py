@@ -107,9 +107,9 @@ def test_training_forward_on_the_kernel_equals_torchs_with_its_gradients(device:
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[1, 5:] = False
     results = []
-    for gemm in ("torch", "triton"):
+    for kernels in ("torch", "triton"):
         master.zero_grad(set_to_none=True)
-        logits = ExactForward(master, torch.float32, gemm=gemm)(ids, attention_mask=mask).logits
+        logits = ExactForward(master, torch.float32, kernels=kernels)(ids, attention_mask=mask).logits
         logits.float().log_softmax(-1)[..., 3].sum().backward()
         grads = {k: p.grad.clone() for k, p in master.named_parameters() if p.grad is not None}
         results.append((logits.detach(), grads))

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from trace_lightning.rollout.cache import KVCache
 
 
-GEMMS = ("torch", "triton")
-"""How the exact FP4 products run: torch's float64 GEMMs (any device) or the Triton kernel (kernels/exact.py)."""
+KERNELS = ("torch", "triton")
+"""What computes the exact forward's FP4 steps: torch ops (the sim's row quantizer, float64 GEMMs; any device) or
+Triton kernels (the row quantizer, bit for bit the sim's, and kernels/exact.py's GEMM)."""
 
 
 def quantize_rows(x: Tensor) -> NVFP4:
@@ -51,14 +52,14 @@ class ExactForward:
     """One forward of `model` (B, T tokens at `positions`) in `compute_dtype`: over `cache` (the engine) or over
     the whole right-padded sequences of `attention_mask` (training)."""
 
-    def __init__(self, model: Transformer, compute_dtype: torch.dtype, fmt: str = "nvfp4", gemm: str = "torch"
+    def __init__(self, model: Transformer, compute_dtype: torch.dtype, fmt: str = "nvfp4", kernels: str = "torch"
                  ) -> None:
         if fmt != "nvfp4":
             raise ValueError(f"trace_exact computes NVFP4 only (integer-exact GEMMs need E4M3 scales), got {fmt!r}")
-        if gemm not in GEMMS:
-            raise ValueError(f"unknown exact gemm {gemm!r}; expected one of {GEMMS}")
+        if kernels not in KERNELS:
+            raise ValueError(f"unknown exact kernels {kernels!r}; expected one of {KERNELS}")
         self.model, self.config, self.fmt = model, model.config, fmt
-        self.compute_dtype, self.gemm = compute_dtype, gemm
+        self.compute_dtype, self.kernels = compute_dtype, kernels
         self._held: dict[tuple[int, str], tuple[tuple[int, int, int], Tensor, Tensor]] = {}
         """The engine's FP4 weights as integers, by module and key, while their tensors' versions hold."""
 
@@ -98,7 +99,7 @@ class ExactForward:
         -> float32 [P, N]: the exact product, by torch's float64 GEMMs or the Triton kernel (the same bits)."""
         w, w_value = self.weight(module, key)
         value, xq = self.fp4_rows(rows)
-        if self.gemm == "triton":
+        if self.kernels == "triton":
             from trace_lightning.kernels.exact import exact_fp4_gemm  # Triton: imported where it runs
 
             return arith.exact_product(lambda: exact_fp4_gemm(xq, w, counts), value, w_value, counts)
@@ -107,10 +108,19 @@ class ExactForward:
             return arith.fp4_linear(value, xq, w_value, ints, globals_)
         return arith.grouped_fp4_linear(value, xq, w_value, ints, globals_, counts)
 
+    def quantize_rows(self, x: Tensor) -> NVFP4:
+        """NVFP4 of rows x [..., K] with per-row globals, by the sim's torch ops or the Triton kernel (the same bytes:
+        tests/kernels/test_one_definition.py)."""
+        if self.kernels == "triton":
+            from trace_lightning.kernels import quantize_nvfp4_rows  # Triton: imported where it runs
+
+            return quantize_nvfp4_rows(x.contiguous())
+        return quantize_rows(x)
+
     def fp4_rows(self, x: Tensor) -> tuple[Tensor, NVFP4]:
         """(straight-through values for the backward, NVFP4) of activation rows x [M, K]; without a gradient the
         values are never read (the GEMM reads the codes), so x stands in for them."""
-        q = quantize_rows(x.detach())
+        q = self.quantize_rows(x.detach())
         return (arith.straight_through(x, q) if x.requires_grad else x), q
 
     def linear(self, module: nn.Module, x: Tensor, quantized: bool) -> Tensor:
@@ -151,7 +161,7 @@ class ExactForward:
         (the engine) or this forward's own (training), as the same per token-head NVFP4 values."""
         if cache is None:
             if quantized:
-                k, v = (arith.straight_through(t, quantize_rows(t.detach())) for t in (k, v))
+                k, v = (arith.straight_through(t, self.quantize_rows(t.detach())) for t in (k, v))
             assert allowed is not None
             return k, v, allowed
         if quantized and i in getattr(cache, "layers", {}):  # an NVFP4 layer of the FP4 cache

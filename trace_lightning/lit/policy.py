@@ -338,7 +338,7 @@ class PolicyModule(L.LightningModule):
         """trace_exact: the rollout engine's own invariant forward in its compute dtype, so the logprobs are the
         rollout's bit for bit (taken as the engine's sampler takes them: log_softmax of logits / temperature)."""
         engine = self.worker.engine
-        out = ExactForward(self.policy, engine.compute_dtype, self.trace.fmt, gemm=engine.exact.gemm)(
+        out = ExactForward(self.policy, engine.compute_dtype, self.trace.fmt, kernels=engine.exact.kernels)(
             batch.tokens[:, :-1], attention_mask=batch.attention_mask[:, :-1], routed=routed)
         logits = out.logits.float()
         scaled = logits / self.rollout_cfg.temperature if self.rollout_cfg.temperature > 0 else logits

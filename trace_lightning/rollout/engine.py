@@ -93,7 +93,7 @@ class Engine:
         # exact: the invariant arithmetic (trace_lightning/exact) is torch ops on any device, with the sim's ops for
         # the quantizers and the cache; where the backend is Triton its FP4 products run the exact GEMM kernel
         self.ops: ModuleType = backend_for(self.device, backend)
-        self._exact_gemm = "triton" if is_triton(self.ops) else "torch"
+        self._exact_kernels = "triton" if is_triton(self.ops) else "torch"
         if exact:
             self.ops = backend_for(self.device, "sim")
         self.sync_every = max(1, sync_every)
@@ -373,7 +373,7 @@ class Engine:
         if fp4 is None or fp4.fmt != "nvfp4" or not (fp4.weights and fp4.activations and fp4.kv):
             raise ValueError(f"exact=True needs NVFP4 weights, activations and KV cache; precision is "
                              f"{self.precision!r}")
-        return ExactForward(self.model, self.compute_dtype, fp4.fmt, gemm=self._exact_gemm)
+        return ExactForward(self.model, self.compute_dtype, fp4.fmt, kernels=self._exact_kernels)
 
     def _fake_quantizer(self) -> RowFakeQuantizer:
         assert self.fp4 is not None
