@@ -206,7 +206,9 @@ class ExactForward:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         rows = x.reshape(-1, D)[order // K]  # (N*K, D) in expert order
-        counts = torch.bincount(flat, minlength=self.config.n_experts)
+        # (E,) counts by scatter_add: CUDA's bincount reads its max back to the host
+        counts = torch.zeros(self.config.n_experts, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
         if quantized:  # every expert's rows in one exact grouped GEMM a projection
             h = self._swiglu(self.fp4_product(experts, "w13", rows, counts))
             y = self.fp4_product(experts, "w2", h, counts)
