@@ -106,7 +106,9 @@ def test_sampled_logprobs_equal_the_training_forwards(master: Transformer, max_b
     """generate (static or continuous batching) against the training forward: every response token's logprob."""
     engine, device = _engine(master, torch.float32, where), where[0]
     prompts = _prompts(6, seed=7)
-    out = engine.generate(prompts, SamplingParams(max_new_tokens=5, temperature=1.0, seed=3), max_batch=max_batch)
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=7, temperature=1.0, seed=3), max_batch=max_batch)
+    if where == ("cuda", "auto"):  # the decode steps from the third on replay one CUDA graph
+        assert out.stats["graph_steps"] > 0, out.stats
     seqs = [p + r for p, r in zip(prompts, out.responses, strict=True)]
     logprobs = _full_logits(master, torch.float32, seqs, device).float().log_softmax(-1).cpu()
     for b, (p, r) in enumerate(zip(prompts, out.responses, strict=True)):

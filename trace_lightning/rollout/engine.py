@@ -97,8 +97,11 @@ class Engine:
         if exact:
             self.ops = backend_for(self.device, "sim")
         self.sync_every = max(1, sync_every)
-        # decode steps replay as one CUDA graph on GPU (rollout/decode.py); not the exact forward's (host-side loops)
-        self.cuda_graph = cuda_graph and not exact
+        # decode steps replay as one CUDA graph on GPU (rollout/decode.py); the exact forward's too where its FP4
+        # steps are Triton kernels (its torch GEMMs read group sizes back to the host). The graph attends over the
+        # whole cache: masked keys add exact zeros to the exact attention's trees, so no bit changes. A step that
+        # cannot be captured runs eagerly, with a warning.
+        self.cuda_graph = cuda_graph and (not exact or self._exact_kernels == "triton")
         self.keep_decode_graph = keep_decode_graph
         self._session: DecodeSession | None = None
         # attention over the packed FP4 cache (ops.fp4_kv_attention) on every backend: on Triton one kernel reads the
