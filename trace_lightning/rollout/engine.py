@@ -91,8 +91,8 @@ class Engine:
         self.config = model.config
         self.device = next(model.parameters()).device
         # exact: the invariant arithmetic (trace_lightning/exact) is torch ops on any device, with the sim's ops for
-        # the quantizers and the cache; where the backend is Triton its FP4 products run the exact GEMM kernel
-        self.ops: ModuleType = backend_for(self.device, backend)
+        # the cache; backend "triton" runs its FP4 steps (row quantizer, GEMMs) on Triton kernels ("auto": torch's)
+        self.ops: ModuleType = backend_for(self.device, "sim" if exact and backend == "auto" else backend)
         self._exact_kernels = "triton" if is_triton(self.ops) else "torch"
         if exact:
             self.ops = backend_for(self.device, "sim")
