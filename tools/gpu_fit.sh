@@ -19,7 +19,8 @@
 #      LONG_ARGS="--model.rollout.prompts_per_step 4"; LONG_ARGS is added to the fit's arguments);
 #   9. (part `exact`, not in `all`) conf/gpu.yaml with trace_exact, then trace_compact (EXACT_METHODS), EXACT_WARMUP
 #      (20) warm-start + RL_STEPS RL steps each, micro-batches of EXACT_MICRO_BATCH (64): every RL step's k3_kl and
-#      the step-time breakdown of each;
+#      the step-time breakdown of each (EXACT_ARGS is added to the fits' arguments, e.g. "--model.trace.backend triton"
+#      for the exact Triton kernels);
 #   7. (part `frontier`, not in `all`) k3_kl against record bytes/token over the layer policies (tools/mismatch_table.py
 #      --policies) on the fit's checkpoint if the machine still holds it, else after a 300-step warm start.
 # Needs this checkout installed (pip, editable), or --install; a machine without a package index installs the
@@ -83,7 +84,8 @@ if [ "$PART" = exact ]; then
     timeout -k 15 ${EXACT_TIMEOUT:-280} python3 -m trace_lightning.lit.cli fit --config conf/sim.yaml --config conf/gpu.yaml \
       --config "conf/method/$METHOD.yaml" --trainer.max_steps $((WARM + RL)) --model.warmup_steps "$WARM" \
       --trainer.val_check_interval $((WARM + RL)) --trainer.limit_val_batches 0 \
-      --model.micro_batch_size ${EXACT_MICRO_BATCH:-64} 2>&1 | tee "$OUT/exact_$METHOD.log" | grep -v Warning | tail -6
+      --model.micro_batch_size ${EXACT_MICRO_BATCH:-64} ${EXACT_ARGS:-} 2>&1 | tee "$OUT/exact_$METHOD.log" \
+      | grep -v Warning | tail -6
     RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
     [ -n "$RUN" ] && python3 tools/tb_summary.py "$RUN" --match time/ rollout/tokens memory/ mismatch/ reward/mean \
       guidance/exchange | tee "$OUT/exact_$METHOD.md"
