@@ -1,5 +1,6 @@
-"""The exact W4A4 GEMM kernel (trace_exact on the Triton backend): the same bits as the exact reference arithmetic
-and as integer sums over ml_dtypes' decoding, whatever rows share the launch (rtol=0, atol=0)."""
+"""trace_exact's Triton GEMMs: the W4A4 kernel gives the exact reference arithmetic's bits and those of integer sums
+over ml_dtypes' decoding, whatever rows share the launch; the tree kernel gives the halving tree's bits, which a
+plain sum does not (rtol=0, atol=0)."""
 
 from fractions import Fraction
 
@@ -10,7 +11,7 @@ import torch
 
 from trace_lightning.exact import ExactForward, arith
 from trace_lightning.exact.forward import quantize_rows
-from trace_lightning.kernels.exact import exact_fp4_gemm, group_tiles
+from trace_lightning.kernels.exact import exact_fp4_gemm, exact_tree_matmul, group_tiles
 from trace_lightning.model import MoEConfig, Transformer
 from trace_lightning.quant import NVFP4, quantize_weight
 from trace_lightning.sim._weights import row_globals
@@ -118,3 +119,21 @@ def test_training_forward_on_the_kernel_equals_torchs_with_its_gradients(device:
     assert grads.keys() == kernel_grads.keys() and any("w13" in k for k in grads)
     for k in grads:
         torch.testing.assert_close(kernel_grads[k], grads[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 1, 1), (3, 5, 7), (9, 70, 100), (2, 3, 4096), (4, 6, 5000)])
+def test_tree_kernel_equals_the_halving_tree(M: int, N: int, K: int, device: str) -> None:
+    g = torch.Generator().manual_seed(K)
+    a = (torch.randn(M, K, generator=g) * torch.logspace(-4, 4, K)).to(device)  # wide magnitudes: order shows
+    b = torch.randn(N, K, generator=g).to(device)
+    out = exact_tree_matmul(a, b)
+    torch.testing.assert_close(out, arith.tree_matmul(a, b), rtol=0, atol=0)
+    if K >= 100:  # a sequential float64-rounded sum is another number: the test sees the order
+        assert not torch.equal(out, (a.double() @ b.double().T).float())
+
+
+def test_tree_kernel_rows_are_batch_invariant(device: str) -> None:
+    a, b = torch.randn(13, 48, device=device), torch.randn(20, 48, device=device)
+    full = exact_tree_matmul(a, b)
+    torch.testing.assert_close(exact_tree_matmul(a[5:6], b), full[5:6], rtol=0, atol=0)
+    torch.testing.assert_close(exact_tree_matmul(a[2:11], b[3:17]), full[2:11, 3:17], rtol=0, atol=0)

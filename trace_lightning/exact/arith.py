@@ -122,10 +122,11 @@ class _Gemm(torch.autograd.Function):
         return grad_a, grad_b, None
 
 
-def dense_linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., K] @ w [N, K].T in float32 with tree reductions (router, lm head, unquantized layers)."""
-    a, b = x.reshape(-1, x.shape[-1]).float(), w.float()
-    y = _Gemm.apply(a, b, lambda: tree_matmul(a.detach(), b.detach()))
+def dense_linear(x: Tensor, w: Tensor, matmul: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+    """x [..., K] @ w [N, K].T in float32 with tree reductions (router, lm head, unquantized layers), by tree_matmul or
+    `matmul` (the Triton kernel: the same bits)."""
+    a, b, matmul = x.reshape(-1, x.shape[-1]).float(), w.float(), matmul or tree_matmul
+    y = _Gemm.apply(a, b, lambda: matmul(a.detach(), b.detach()))
     return y.view(*x.shape[:-1], w.shape[0])
 
 

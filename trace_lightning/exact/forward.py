@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 
 KERNELS = ("torch", "triton")
-"""What computes the exact forward's FP4 steps: torch ops (the sim's row quantizer, float64 GEMMs; any device) or
-Triton kernels (the row quantizer, bit for bit the sim's, and kernels/exact.py's GEMM)."""
+"""What computes the exact forward's quantizer and GEMMs: torch ops (the sim's row quantizer, float64 FP4 GEMMs, tree
+GEMMs; any device) or Triton kernels with the same bits (the row quantizer, kernels/exact.py's GEMMs)."""
 
 
 def quantize_rows(x: Tensor) -> NVFP4:
@@ -66,6 +66,14 @@ class ExactForward:
     def rnd(self, x: Tensor) -> Tensor:
         """x rounded to the compute dtype, kept in float32 for the next op."""
         return x if self.compute_dtype == torch.float32 else x.to(self.compute_dtype).float()
+
+    def dense(self, x: Tensor, w: Tensor) -> Tensor:
+        """x [..., K] @ w [N, K].T, float32, each output a halving tree over K (arith.dense_linear)."""
+        if self.kernels == "triton":
+            from trace_lightning.kernels.exact import exact_tree_matmul  # Triton: imported where it runs
+
+            return arith.dense_linear(x, w, exact_tree_matmul)
+        return arith.dense_linear(x, w)
 
     def param(self, p: Tensor) -> Tensor:
         """A high-precision parameter as the engine holds it (cast to the compute dtype), in float32."""
@@ -129,7 +137,7 @@ class ExactForward:
         if quantized:
             y = self.fp4_product(module, "weight", rows)
         else:
-            y = arith.dense_linear(rows, self.param(module.weight))
+            y = self.dense(rows, self.param(module.weight))
         y = self.rnd(y).view(*x.shape[:-1], -1)
         return y if module.bias is None else self.rnd(y + self.param(module.bias))
 
@@ -175,7 +183,7 @@ class ExactForward:
 
     def moe(self, i: int, moe: nn.Module, x: Tensor, routed: Tensor | None) -> tuple[Tensor, Tensor]:
         c, quantized = self.config, self.config.is_quantized_layer(i)
-        scores = arith.dense_linear(x, self.param(moe.router.weight))  # (B, T, E)
+        scores = self.dense(x, self.param(moe.router.weight))  # (B, T, E)
         scores = self.rnd(scores).softmax(dim=-1) if c.router == "softmax" else self.rnd(scores).sigmoid()
         if routed is None:
             gates, ids = scores.topk(c.top_k, dim=-1)
@@ -194,7 +202,7 @@ class ExactForward:
             gate, up = h.chunk(2, dim=-1)
             s = self.linear(moe.shared.w2, self.rnd(torch.nn.functional.silu(gate) * up), quantized)
             if moe.shared.gate is not None:
-                s = self.rnd(torch.sigmoid(self.rnd(arith.dense_linear(x, self.param(moe.shared.gate)))) * s)
+                s = self.rnd(torch.sigmoid(self.rnd(self.dense(x, self.param(moe.shared.gate)))) * s)
             y = self.rnd(y + s)
         return y, ids
 
@@ -229,7 +237,7 @@ class ExactForward:
     def _projector(self, experts: nn.Module) -> Callable[[str, int, Tensor], Tensor]:
         """(key, expert, rows [n, K]) -> rows [n, N] through that expert's dense w13 or w2 (an unquantized layer)."""
         dense = {key: self.param(getattr(experts, key)) for key in ("w13", "w2")}
-        return lambda key, e, part: arith.dense_linear(part, dense[key][e]) if part.shape[0] else part.new_zeros(
+        return lambda key, e, part: self.dense(part, dense[key][e]) if part.shape[0] else part.new_zeros(
             0, dense[key].shape[-2])
 
     # ---- the model ----------------------------------------------------------------------------------
@@ -255,5 +263,5 @@ class ExactForward:
             routes.append(layer_ids)
         if logits_at is not None:
             x = x[torch.arange(B, device=x.device), logits_at][:, None]  # (B, 1, D)
-        logits = self.rnd(arith.dense_linear(self.norm(m.norm, x), self.param(m.output.weight)))
+        logits = self.rnd(self.dense(self.norm(m.norm, x), self.param(m.output.weight)))
         return ModelOutput(logits.to(self.compute_dtype), routes)

@@ -1,4 +1,6 @@
-"""The exact W4A4 GEMM of trace_exact on the Triton backend: `arith.fp4_matmul`'s bits, one launch.
+"""trace_exact's GEMMs on the Triton backend, each one launch with the bits of its torch twin in `exact.arith`.
+
+`exact_fp4_gemm`, the W4A4 product: `arith.fp4_matmul`'s bits.
 
 A row's result must not depend on the rows beside it, the tile shapes or prefill versus decode. Here that holds
 because nothing is rounded until the end: a 16-wide block's sum of (2 * E2M1) products is an integer of at most
@@ -10,6 +12,10 @@ bit (tested), and the rollout on this kernel computes what training computes on 
 
 Groups (an MoE's experts): rows sorted by group, `counts` a group; each program takes BLOCK_M rows of one group,
 found from device tensors of a static size, so nothing is read back to the host.
+
+`exact_tree_matmul`, the dense float32 product (router, lm head): `arith.tree_matmul`'s bits. Each output is the
+halving tree over its K products, zero-padded to a power of two, computed in registers (products, then pairs i and
+i + K/2 added, and so on), compiled without fused multiply-adds, which would round a product and a sum as one.
 """
 
 from __future__ import annotations
@@ -128,4 +134,43 @@ def exact_fp4_gemm(xq: NVFP4, w: NVFP4, counts: Tensor | None = None) -> Tensor:
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT_K=EXACT_K, DOT=mma_dtype(torch.float16, device),
         PRECISION="ieee" if device.type != "cuda" else "tf32",
     )
+    return out
+
+
+@triton.jit
+def _tree_matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, KP: tl.constexpr, LEVELS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok, ks = rows < M, cols < N, tl.arange(0, KP)
+    a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+                other=0.0)
+    b = tl.load(b_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :],
+                other=0.0)
+    p = a[:, None, :] * b[None, :, :]  # [BLOCK_M, BLOCK_N, KP] products; zeros past K
+    for level in tl.static_range(LEVELS):  # p[..., i] + p[..., i + half]
+        lo, hi = tl.split(tl.permute(tl.reshape(p, (BLOCK_M, BLOCK_N, 2, KP >> (level + 1))), (0, 1, 3, 2)))
+        p = lo + hi
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], tl.reshape(p, (BLOCK_M, BLOCK_N)),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+TREE_TILE_PRODUCTS = 1 << 14
+"""Products a program holds in registers (BLOCK_M x BLOCK_N x K padded)."""
+
+
+def exact_tree_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a [M, K] @ b [N, K].T in float32, each output the halving tree of its K products: arith.tree_matmul's bits."""
+    (M, K), N = a.shape, b.shape[0]
+    if b.shape[1] != K:
+        raise ValueError(f"exact_tree_matmul needs a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    out = torch.empty(M, N, dtype=torch.float32, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    kp = triton.next_power_of_2(max(K, 1))
+    block_m = 2 if kp <= TREE_TILE_PRODUCTS // 4 else 1
+    block_n = max(1, TREE_TILE_PRODUCTS // (kp * block_m))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _tree_matmul_kernel[grid](a.float().contiguous(), b.float().contiguous(), out, M, N, K, kp, kp.bit_length() - 1,
+                              block_m, block_n, enable_fp_fusion=False)
     return out
