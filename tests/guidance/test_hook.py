@@ -176,3 +176,25 @@ def test_deferred_finite_checks_name_the_first_bad_site_after_the_forward(hook) 
     with pytest.raises(NonFiniteActivationError, match="layer 1, site moe_in"):
         h.raise_if_nonfinite()
     h.raise_if_nonfinite()  # the flags were read: nothing left to raise
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", ["full", "parity"])
+def test_one_guided_pass_equals_guided_then_plain_where_unrecorded(fmt: str, mode: str) -> None:
+    """Unrecorded positions are rounded in the guided pass itself, to x's own codes: the values and the gradient are
+    those of the guided rounding where recorded and the plain rounding elsewhere, selected afterwards."""
+    from trace_lightning.quant import fake_quantize
+
+    g = torch.Generator().manual_seed(11)
+    x0 = torch.randn(2, 6, 64, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    _, batch = _rollout(x0 * (1 + 0.05 * torch.randn(x0.shape, generator=g)), fmt, mode)
+    tokens = torch.tensor([[True] * 4 + [False] * 2, [True] * 6])
+    x = x0.clone().requires_grad_(True)
+    out = GuidedHook(fmt, batch, mode, tokens).activation(x, layer=0, site="attn_in")
+    (out * torch.arange(64)).sum().backward()
+    y = x0.clone().requires_grad_(True)
+    want = torch.where(tokens[..., None], fake_quantize(y, fmt, batch.ref(0, "attn_in"), mode), fake_quantize(y, fmt))
+    (want * torch.arange(64)).sum().backward()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=0)
+    assert not torch.equal(out[0, 4:], fake_quantize(x0, fmt, batch.ref(0, "attn_in"), mode)[0, 4:])

@@ -19,6 +19,7 @@ from torch import Tensor
 from trace_lightning.guidance.record import BatchRecord, format_name
 from trace_lightning.model import QuantHook
 from trace_lightning.quant import FakeQuantCache, FP4Format, fake_quantize, parse_format
+from trace_lightning.quant.fake import with_own_rounding
 from trace_lightning.quant.guided import check_guidance_mode
 
 
@@ -237,10 +238,11 @@ class GuidedHook(_FP4TrainHook):
             out = fake_quantize(x, self.fmt)
         else:
             valid = self._mask(self.record, x, layer, site)
-            out = fake_quantize(x, self.fmt, self.record.ref(layer, site), self.mode)
+            ref = self.record.ref(layer, site)
             if self._all_valid is None:
                 self._all_valid = bool(valid.all())
-            if not self._all_valid:
-                out = torch.where(_expand_mask(valid, x), out, fake_quantize(x, self.fmt))
+            if not self._all_valid:  # plain rounding where nothing was recorded, in the same guided pass
+                ref = with_own_rounding(ref, x.detach(), _expand_mask(valid, x)[..., 0], self.fmt)
+            out = fake_quantize(x, self.fmt, ref, self.mode)
         self._audit(x.detach(), out.detach(), layer, site)
         return out

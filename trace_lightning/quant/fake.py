@@ -7,6 +7,7 @@ through wherever the scaled value lay inside the E2M1 range, and blocks it where
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -52,6 +53,36 @@ def reference_fake_quantized(x: Tensor, fmt: FP4Format, ref: BlockFP4 | None = N
     q = quantize(x, fmt, ref, mode)
     inside = q.scale_input(split_blocks(x, q.block_size)).abs() <= E2M1_MAX
     return q.dequantize(x.dtype), inside.reshape(x.shape)
+
+
+def own_rounding(x: Tensor, fmt: FP4Format) -> BlockFP4:
+    """x's own round-to-nearest quantization in `fmt` (one Triton pass on a GPU for row-global NVFP4)."""
+    if _fused_wanted(x) and fmt.kind == "nvfp4" and fmt.global_scale == "row" and x.shape[-1] % 16 == 0:
+        from trace_lightning.kernels import quantize_nvfp4_rows  # Triton: imported where it runs
+
+        return quantize_nvfp4_rows(x.contiguous())
+    return fmt.quantize(x)
+
+
+def with_own_rounding(ref: BlockFP4, x: Tensor, recorded: Tensor, fmt: FP4Format) -> BlockFP4:
+    """The record `ref` where `recorded` (x.shape[:-1]) and x's own round-to-nearest codes, scales and globals
+    elsewhere. Guided rounding to that is plain rounding at the unrecorded rows, in parity mode too (no code of the
+    RNE code's parity lies nearer than it), so one guided pass replaces a guided pass, a plain pass and a select."""
+    own = own_rounding(x, fmt)
+    lead = tuple(x.shape[:-1])
+
+    def pick(mine: Tensor | None, theirs: Tensor | None) -> Tensor | None:
+        if mine is None or theirs is None:
+            return mine
+        mine, theirs = (torch.broadcast_to(t, (*lead, t.shape[-1])) for t in (mine, theirs))
+        if mine.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):  # scales: select their bytes
+            return torch.where(recorded[..., None], mine.view(torch.uint8), theirs.view(torch.uint8)).view(mine.dtype)
+        return torch.where(recorded[..., None], mine, theirs)
+
+    fields = {"packed": pick(ref.packed, own.packed), "scales": pick(ref.scales, own.scales)}
+    if hasattr(ref, "global_scale"):
+        fields["global_scale"] = pick(ref.global_scale, own.global_scale)
+    return replace(ref, **fields)
 
 
 class _StraightThrough(torch.autograd.Function):
