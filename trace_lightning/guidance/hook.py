@@ -19,7 +19,7 @@ from torch import Tensor
 from trace_lightning.guidance.record import BatchRecord, format_name
 from trace_lightning.model import QuantHook
 from trace_lightning.quant import FakeQuantCache, FP4Format, fake_quantize, parse_format
-from trace_lightning.quant.fake import with_own_rounding
+from trace_lightning.quant.fake import own_rounding, with_own_rounding
 from trace_lightning.quant.guided import check_guidance_mode
 
 
@@ -114,8 +114,9 @@ class _FP4TrainHook(FiniteCheckHook):
         if audit is not None and audit.fmt != self.fmt:
             raise ValueError(f"audit record is {format_name(audit.fmt)}, training uses {format_name(self.fmt)}")
         self.audit_record = audit
-        self.agreement: dict[tuple[int, str], SiteAgreement] = {}
-        """Audit counts per (layer, site), filled during the forward when an audit record is given."""
+        self._agreement: dict[tuple[int, str], SiteAgreement] = {}
+        self._pending: dict[tuple[int, str], Tensor] = {}
+        """Audit counts (elements, code_equal, value_equal) still on the device: read with one host sync."""
 
     def weight(self, w: Tensor, *, layer: int, name: str) -> Tensor:
         # Rounding to the per-matrix quantization's own codes is plain RNE fake-quant, with its STE gradient.
@@ -134,13 +135,25 @@ class _FP4TrainHook(FiniteCheckHook):
         self.audit_record = self.audit_record.to(x.device)
         mask = _expand_mask(self._mask(self.audit_record, x, layer, site), x)
         ref = self.audit_record.ref(layer, site)
-        own, theirs = self.fmt.quantize(x).codes(), ref.codes()
+        own, theirs = own_rounding(x, self.fmt).codes(), ref.codes()
         code_eq = (own == theirs) | (((own & 7) == 0) & ((theirs & 7) == 0))
         value_eq = out == ref.dequantize(out.dtype)
-        stats = self.agreement.setdefault((layer, site), SiteAgreement())
-        stats.elements += int(mask.sum())
-        stats.code_equal += int((code_eq & mask).sum())
-        stats.value_equal += int((value_eq & mask).sum())
+        counts = torch.stack([mask.sum(), (code_eq & mask).sum(), (value_eq & mask).sum()])
+        key = (layer, site)
+        self._pending[key] = counts if key not in self._pending else self._pending[key] + counts
+
+    @property
+    def agreement(self) -> dict[tuple[int, str], SiteAgreement]:
+        """Audit counts per (layer, site), filled during the forward when an audit record is given (the device's
+        counts are read here, once, not at every site of every forward)."""
+        if self._pending:
+            keys, pending = list(self._pending), self._pending
+            self._pending = {}
+            for key, (n, code, value) in zip(keys, torch.stack([pending[k] for k in keys]).tolist(), strict=True):
+                stats = self._agreement.setdefault(key, SiteAgreement())
+                stats.elements, stats.code_equal, stats.value_equal = (stats.elements + n, stats.code_equal + code,
+                                                                       stats.value_equal + value)
+        return self._agreement
 
     def release(self) -> None:
         """Drop the batch tensors the forward read (the audit record, the real-token mask): once the backward has run
