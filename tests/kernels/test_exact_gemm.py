@@ -11,7 +11,7 @@ import torch
 
 from trace_lightning.exact import ExactForward, arith
 from trace_lightning.exact.forward import quantize_rows
-from trace_lightning.kernels.exact import exact_fp4_gemm, exact_tree_matmul, group_tiles
+from trace_lightning.kernels.exact import exact_fp4_gemm, exact_tree_bmm, exact_tree_matmul, group_tiles
 from trace_lightning.model import MoEConfig, Transformer
 from trace_lightning.quant import NVFP4, quantize_weight
 from trace_lightning.sim._weights import row_globals
@@ -137,3 +137,23 @@ def test_tree_kernel_rows_are_batch_invariant(device: str) -> None:
     full = exact_tree_matmul(a, b)
     torch.testing.assert_close(exact_tree_matmul(a[5:6], b), full[5:6], rtol=0, atol=0)
     torch.testing.assert_close(exact_tree_matmul(a[2:11], b[3:17]), full[2:11, 3:17], rtol=0, atol=0)
+
+
+def test_tree_bmm_kernel_takes_heads_groups_and_strides(device: str) -> None:
+    """Grouped-query heads (8 query heads over 2 key heads), and b as a transposed view (the P V product's v)."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(3, 8, 5, 40, generator=g).to(device)
+    v = torch.randn(3, 40, 2, 24, generator=g).to(device)  # (B, S, Hkv, Dh)
+    b = v.permute(0, 2, 3, 1)  # (B, Hkv, Dh, S): strided
+    torch.testing.assert_close(exact_tree_bmm(a, b), arith.tree_bmm(a, b), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="Hb dividing H"):
+        exact_tree_bmm(a, b[:, :, :, :39])
+
+
+def test_attention_on_the_kernel_equals_torchs(device: str) -> None:
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, T, H, 16, generator=g).to(device) for T, H in ((5, 4), (9, 2), (9, 2)))
+    allowed = torch.rand(2, 5, 9, generator=g).to(device) < 0.6
+    allowed[:, :, 0] = True
+    want = arith.attention(q, k, v, allowed, 0.25)
+    torch.testing.assert_close(arith.attention(q, k, v, allowed, 0.25, exact_tree_bmm), want, rtol=0, atol=0)

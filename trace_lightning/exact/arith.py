@@ -210,18 +210,44 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, rnd: Callable[[Tensor], Tens
     return rnd(weight.float() * normed)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float) -> Tensor:
+class _TreeBmm(torch.autograd.Function):
+    """forward(a [B, H, M, K], b [B, Hb, N, K]) = tree_bmm(a, b), exactly (head h through b's head h // (H / Hb));
+    backward: the float32 gradients of a @ b.T (b's summed over its group of heads)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor, tree_bmm: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return tree_bmm(a.detach(), b.detach())
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        a, b = ctx.saved_tensors
+        B, H, Hb = a.shape[0], a.shape[1], b.shape[1]
+        grad_a = grad @ b.repeat_interleave(H // Hb, dim=1) if ctx.needs_input_grad[0] else None
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_b = (grad.transpose(-1, -2) @ a).view(B, Hb, H // Hb, *b.shape[2:]).sum(dim=2)
+        return grad_a, grad_b, None
+
+
+def tree_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """a [B, H, M, K] @ b [B, Hb, N, K].T -> [B, H, M, N] float32, head h through b's head h // (H / Hb), each output a
+    tree_sum of its K products (kernels.exact.exact_tree_bmm computes the same bits without the products tensor)."""
+    b = b.repeat_interleave(a.shape[1] // b.shape[1], dim=1)
+    return tree_sum(a[:, :, :, None, :].float() * b[:, :, None, :, :].float())
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float,
+              bmm: Callable[[Tensor, Tensor], Tensor] = tree_bmm) -> Tensor:
     """q (B, T, Hq, Dh), k / v (B, S, Hkv, Dh), allowed (B, T, S) -> (B, T, Hq, Dh) float32: scores and the P V sum
-    are tree reductions and masked keys contribute exact zeros, so the result depends on the allowed keys only."""
-    group = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2)  # (B, Hq, T, Dh)
-    kh = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, S, Dh)
-    vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
-    scores = tree_sum(qh[:, :, :, None, :] * kh[:, :, None, :, :]) * scale  # (B, Hq, T, S)
+    are tree reductions and masked keys contribute exact zeros, so the result depends on the allowed keys only. The
+    two tree products run as `bmm` (tree_bmm, or the Triton kernel: the same bits); their backward is plain
+    matmuls."""
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T or S, Dh)
+    scores = _TreeBmm.apply(qh, kh, bmm) * scale  # (B, Hq, T, S)
     mask = allowed[:, None]  # (B, 1, T, S)
     scores = scores.masked_fill(~mask, float("-inf"))
     top = scores.detach().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
     e = torch.exp(scores - top).masked_fill(~mask, 0.0)
     p = e / tree_sum(e)[..., None].clamp_min(torch.finfo(torch.float32).tiny)
-    out = tree_sum(p[:, :, :, None, :] * vh.transpose(-1, -2)[:, :, None, :, :])  # (B, Hq, T, Dh)
-    return out.transpose(1, 2)
+    return _TreeBmm.apply(p, vh.transpose(-1, -2), bmm).transpose(1, 2)  # (B, T, Hq, Dh)

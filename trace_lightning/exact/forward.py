@@ -75,6 +75,14 @@ class ExactForward:
             return arith.dense_linear(x, w, exact_tree_matmul)
         return arith.dense_linear(x, w)
 
+    def _tree_bmm(self) -> Callable[[Tensor, Tensor], Tensor]:
+        """The attention's tree products: torch's (arith.tree_bmm) or the Triton kernel (the same bits)."""
+        if self.kernels != "triton":
+            return arith.tree_bmm
+        from trace_lightning.kernels.exact import exact_tree_bmm  # Triton: imported where it runs
+
+        return exact_tree_bmm
+
     def param(self, p: Tensor) -> Tensor:
         """A high-precision parameter as the engine holds it (cast to the compute dtype), in float32."""
         return self.rnd(p.float())
@@ -160,7 +168,8 @@ class ExactForward:
         q, k = (self.rnd(self.rnd(t * cos) + self.rnd(torch.cat((-t[..., c.head_dim // 2:], t[..., :c.head_dim // 2]),
                                                                   dim=-1) * sin)) for t in (q, k))
         k_all, v_all, allowed = self.keys_values(i, k, v, positions, allowed, cache, quantized)
-        y = self.rnd(arith.attention(q, k_all, v_all, allowed, c.head_dim**-0.5)).reshape(B, T, c.q_dim)
+        y = self.rnd(arith.attention(q, k_all, v_all, allowed, c.head_dim**-0.5, self._tree_bmm())).reshape(B, T,
+                                                                                                     c.q_dim)
         return self.linear(attn.wo, y, quantized)
 
     def keys_values(self, i: int, k: Tensor, v: Tensor, positions: Tensor, allowed: Tensor | None,

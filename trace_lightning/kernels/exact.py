@@ -138,39 +138,56 @@ def exact_fp4_gemm(xq: NVFP4, w: NVFP4, counts: Tensor | None = None) -> Tensor:
 
 
 @triton.jit
-def _tree_matmul_kernel(a_ptr, b_ptr, out_ptr, M, N, K, KP: tl.constexpr, LEVELS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _tree_bmm_kernel(a_ptr, b_ptr, out_ptr, H, GROUP, M, N, K,
+                     sa_b, sa_h, sa_m, sa_k, sb_b, sb_h, sb_n, sb_k, KP: tl.constexpr, LEVELS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tile, z = tl.program_id(0), tl.program_id(1)  # z = batch * H + head; b's head is head // GROUP
+    batch, head = (z // H).to(tl.int64), (z % H).to(tl.int64)
+    rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok, ks = rows < M, cols < N, tl.arange(0, KP)
-    a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+    k_ok = (ks < K)[None, :]
+    a_base = a_ptr + batch * sa_b + head * sa_h
+    b_base = b_ptr + batch * sb_b + (head // GROUP) * sb_h
+    a = tl.load(a_base + rows.to(tl.int64)[:, None] * sa_m + ks[None, :] * sa_k, mask=row_ok[:, None] & k_ok,
                 other=0.0)
-    b = tl.load(b_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :],
+    b = tl.load(b_base + cols.to(tl.int64)[:, None] * sb_n + ks[None, :] * sb_k, mask=col_ok[:, None] & k_ok,
                 other=0.0)
     p = a[:, None, :] * b[None, :, :]  # [BLOCK_M, BLOCK_N, KP] products; zeros past K
     for level in tl.static_range(LEVELS):  # p[..., i] + p[..., i + half]
         lo, hi = tl.split(tl.permute(tl.reshape(p, (BLOCK_M, BLOCK_N, 2, KP >> (level + 1))), (0, 1, 3, 2)))
         p = lo + hi
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], tl.reshape(p, (BLOCK_M, BLOCK_N)),
-             mask=row_ok[:, None] & col_ok[None, :])
+    out = out_ptr + z.to(tl.int64) * M * N + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out, tl.reshape(p, (BLOCK_M, BLOCK_N)), mask=row_ok[:, None] & col_ok[None, :])
 
 
 TREE_TILE_PRODUCTS = 1 << 14
 """Products a program holds in registers (BLOCK_M x BLOCK_N x K padded)."""
 
 
-def exact_tree_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """a [M, K] @ b [N, K].T in float32, each output the halving tree of its K products: arith.tree_matmul's bits."""
-    (M, K), N = a.shape, b.shape[0]
-    if b.shape[1] != K:
-        raise ValueError(f"exact_tree_matmul needs a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-    out = torch.empty(M, N, dtype=torch.float32, device=a.device)
-    if M == 0 or N == 0:
+def exact_tree_bmm(a: Tensor, b: Tensor) -> Tensor:
+    """a [B, H, M, K] @ b [B, Hb, N, K].T -> float32 [B, H, M, N], head h of a through head h // (H / Hb) of b (grouped
+    query attention), each output the halving tree of its K products (arith.tree_sum's bits); any strides."""
+    (B, H, M, K), (Bb, Hb, N, Kb) = a.shape, b.shape
+    if a.dim() != 4 or b.dim() != 4 or Bb != B or Kb != K or H % max(Hb, 1):
+        raise ValueError(f"exact_tree_bmm needs a [B, H, M, K] and b [B, Hb, N, K] with Hb dividing H, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    out = torch.empty(B, H, M, N, dtype=torch.float32, device=a.device)
+    if out.numel() == 0:
         return out
+    a, b = a.float(), b.float()
     kp = triton.next_power_of_2(max(K, 1))
     block_m = 2 if kp <= TREE_TILE_PRODUCTS // 4 else 1
     block_n = max(1, TREE_TILE_PRODUCTS // (kp * block_m))
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _tree_matmul_kernel[grid](a.float().contiguous(), b.float().contiguous(), out, M, N, K, kp, kp.bit_length() - 1,
-                              block_m, block_n, enable_fp_fusion=False)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), B * H)
+    _tree_bmm_kernel[grid](a, b, out, H, H // Hb, M, N, K, *a.stride(), *b.stride(), kp, kp.bit_length() - 1,
+                           block_m, block_n, enable_fp_fusion=False)
     return out
+
+
+def exact_tree_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a [M, K] @ b [N, K].T in float32, each output the halving tree of its K products: arith.tree_matmul's bits."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"exact_tree_matmul needs a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    return exact_tree_bmm(a[None, None], b[None, None])[0, 0]
