@@ -13,9 +13,10 @@ bit (tested), and the rollout on this kernel computes what training computes on 
 Groups (an MoE's experts): rows sorted by group, `counts` a group; each program takes BLOCK_M rows of one group,
 found from device tensors of a static size, so nothing is read back to the host.
 
-`exact_tree_matmul`, the dense float32 product (router, lm head): `arith.tree_matmul`'s bits. Each output is the
-halving tree over its K products, zero-padded to a power of two, computed in registers (products, then pairs i and
-i + K/2 added, and so on), compiled without fused multiply-adds, which would round a product and a sum as one.
+`exact_tree_bmm`, the float32 products by halving trees (the attention's q.k and P.V, per head; `exact_tree_matmul`
+for one matrix: router, lm head): `arith.tree_bmm` / `arith.tree_matmul`'s bits. Each output is the halving tree over
+its K products, zero-padded to a power of two, computed in registers (products, then pairs i and i + K/2 added, and so
+on), compiled without fused multiply-adds, which would round a product and a sum as one.
 """
 
 from __future__ import annotations
