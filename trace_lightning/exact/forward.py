@@ -183,12 +183,21 @@ class ExactForward:
             return k, v, allowed
         if quantized and i in getattr(cache, "layers", {}):  # an NVFP4 layer of the FP4 cache
             store, n = cache.layers[i], cache.visible
-            cache.ops.kv_append(store, k, v, positions)
+            self._kv_append(cache)(store, k, v, positions)
             k_all = store.keys(n).dequantize(torch.float32).transpose(1, 2)
             v_all = store.values(n).dequantize(torch.float32).transpose(1, 2)
             return k_all, v_all, cache.allowed(positions)
         k_all, v_all, seen = cache.update(i, k, v, positions)
         return k_all.float(), v_all.float(), seen
+
+    def _kv_append(self, cache: KVCache) -> Callable[..., object]:
+        """The FP4 cache's append: the cache's own op, or the Triton kernel (the same bytes; no host read of the
+        positions, so a CUDA graph can hold it)."""
+        if self.kernels != "triton":
+            return cache.ops.kv_append
+        from trace_lightning.kernels import kv_append  # Triton: imported where it runs
+
+        return kv_append
 
     def moe(self, i: int, moe: nn.Module, x: Tensor, routed: Tensor | None) -> tuple[Tensor, Tensor]:
         c, quantized = self.config, self.config.is_quantized_layer(i)
