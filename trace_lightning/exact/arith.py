@@ -138,15 +138,15 @@ def fp4_linear(x_value: Tensor, xq: NVFP4, w_value: Tensor | None, w_ints: Tenso
 
 
 def exact_product(compute: Callable[[], Tensor], x_value: Tensor, w_value: Tensor | None,
-                  counts: Tensor | None = None) -> Tensor:
+                  counts: Tensor | None = None, slots: tuple[Tensor, Tensor, int] | None = None) -> Tensor:
     """compute()'s exact W4A4 product (by this module's GEMMs or the Triton kernel, the same bits) with the float32
     gradients of x_value @ w_value.T (each row through its group's weight w_value [G, N, K] where `counts` rows a
-    group are given); without w_value, no gradient."""
+    group are given; `slots`: their group_slots, if already at hand); without w_value, no gradient."""
     if w_value is None:
         return compute()
     if counts is None:
         return _Gemm.apply(x_value, w_value, compute)
-    return _GroupedGemm.apply(x_value, w_value, group_slots(counts), compute)
+    return _GroupedGemm.apply(x_value, w_value, slots or group_slots(counts), compute)
 
 
 class _GroupedGemm(torch.autograd.Function):
@@ -193,14 +193,13 @@ def grouped_fp4_linear(x_value: Tensor, xq: NVFP4, w_value: Tensor | None, w_int
     weight, w_ints [G, N, K] (globals [G, N], values [G, N, K] or None) -> float32 [P, N]. One batched float64 GEMM
     over the zero-padded groups: its sums are exact integers, so a row's result is what fp4_linear gives it alone,
     whatever its group's size or the other groups (a Python loop over experts launched ~20 kernels an expert)."""
-    G = w_ints.shape[0]
+    slots, G = group_slots(counts), w_ints.shape[0]
 
     def compute() -> Tensor:  # padded rows are zeros with zero globals: they never reach a real row
-        slots = group_slots(counts)
         ints, globals_ = padded(fp4_integers(xq), slots, G), padded(xq.global_scale.reshape(-1), slots, G)
         return fp4_matmul(ints, w_ints, globals_, w_global)[slots[0], slots[1]]
 
-    return exact_product(compute, x_value, w_value, counts)
+    return exact_product(compute, x_value, w_value, counts, slots)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, rnd: Callable[[Tensor], Tensor]) -> Tensor:

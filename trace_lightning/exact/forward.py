@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 
 KERNELS = ("torch", "triton")
-"""What computes the exact forward's quantizer and GEMMs: torch ops (the sim's row quantizer, float64 FP4 GEMMs, tree
-GEMMs; any device) or Triton kernels with the same bits (the row quantizer, kernels/exact.py's GEMMs)."""
+"""What computes the exact forward's quantizer, cache append and GEMMs: torch ops (the sim's row quantizer and
+append, float64 FP4 GEMMs, tree GEMMs; any device) or Triton kernels with the same bits (kernels.quantize_nvfp4_rows,
+kernels.kv_append, kernels/exact.py's GEMMs)."""
 
 
 def quantize_rows(x: Tensor) -> NVFP4:
@@ -60,6 +61,19 @@ class ExactForward:
             raise ValueError(f"unknown exact kernels {kernels!r}; expected one of {KERNELS}")
         self.model, self.config, self.fmt = model, model.config, fmt
         self.compute_dtype, self.kernels = compute_dtype, kernels
+        # the steps the two choices compute alike; None: the torch path's own (the cache's append, integer GEMMs)
+        self._quantize_rows: Callable[[Tensor], NVFP4] = quantize_rows
+        self._tree_matmul: Callable[[Tensor, Tensor], Tensor] = arith.tree_matmul
+        self._tree_bmm: Callable[[Tensor, Tensor], Tensor] = arith.tree_bmm
+        self._fp4_gemm: Callable[..., Tensor] | None = None
+        self._kv_append: Callable[..., object] | None = None
+        if kernels == "triton":  # Triton: imported where it runs
+            from trace_lightning import kernels as triton_ops
+            from trace_lightning.kernels import exact as exact_kernels
+
+            self._quantize_rows, self._kv_append = triton_ops.quantize_nvfp4_rows, triton_ops.kv_append
+            self._tree_matmul, self._tree_bmm = exact_kernels.exact_tree_matmul, exact_kernels.exact_tree_bmm
+            self._fp4_gemm = exact_kernels.exact_fp4_gemm
         self._held: dict[tuple[int, str], tuple[tuple[int, int, int], Tensor, Tensor]] = {}
         """The engine's FP4 weights as integers, by module and key, while their tensors' versions hold."""
 
@@ -69,19 +83,7 @@ class ExactForward:
 
     def dense(self, x: Tensor, w: Tensor) -> Tensor:
         """x [..., K] @ w [N, K].T, float32, each output a halving tree over K (arith.dense_linear)."""
-        if self.kernels == "triton":
-            from trace_lightning.kernels.exact import exact_tree_matmul  # Triton: imported where it runs
-
-            return arith.dense_linear(x, w, exact_tree_matmul)
-        return arith.dense_linear(x, w)
-
-    def _tree_bmm(self) -> Callable[[Tensor, Tensor], Tensor]:
-        """The attention's tree products: torch's (arith.tree_bmm) or the Triton kernel (the same bits)."""
-        if self.kernels != "triton":
-            return arith.tree_bmm
-        from trace_lightning.kernels.exact import exact_tree_bmm  # Triton: imported where it runs
-
-        return exact_tree_bmm
+        return arith.dense_linear(x, w, self._tree_matmul)
 
     def param(self, p: Tensor) -> Tensor:
         """A high-precision parameter as the engine holds it (cast to the compute dtype), in float32."""
@@ -115,28 +117,18 @@ class ExactForward:
         -> float32 [P, N]: the exact product, by torch's float64 GEMMs or the Triton kernel (the same bits)."""
         w, w_value = self.weight(module, key)
         value, xq = self.fp4_rows(rows)
-        if self.kernels == "triton":
-            from trace_lightning.kernels.exact import exact_fp4_gemm  # Triton: imported where it runs
-
-            return arith.exact_product(lambda: exact_fp4_gemm(xq, w, counts), value, w_value, counts)
+        if self._fp4_gemm is not None:
+            gemm = self._fp4_gemm
+            return arith.exact_product(lambda: gemm(xq, w, counts), value, w_value, counts)
         ints, globals_ = self.integers(module, key, w, held=w_value is None)
         if counts is None:
             return arith.fp4_linear(value, xq, w_value, ints, globals_)
         return arith.grouped_fp4_linear(value, xq, w_value, ints, globals_, counts)
 
-    def quantize_rows(self, x: Tensor) -> NVFP4:
-        """NVFP4 of rows x [..., K] with per-row globals, by the sim's torch ops or the Triton kernel (the same bytes:
-        tests/kernels/test_one_definition.py)."""
-        if self.kernels == "triton":
-            from trace_lightning.kernels import quantize_nvfp4_rows  # Triton: imported where it runs
-
-            return quantize_nvfp4_rows(x.contiguous())
-        return quantize_rows(x)
-
     def fp4_rows(self, x: Tensor) -> tuple[Tensor, NVFP4]:
         """(straight-through values for the backward, NVFP4) of activation rows x [M, K]; without a gradient the
         values are never read (the GEMM reads the codes), so x stands in for them."""
-        q = self.quantize_rows(x.detach())
+        q = self._quantize_rows(x.detach().contiguous())
         return (arith.straight_through(x, q) if x.requires_grad else x), q
 
     def linear(self, module: nn.Module, x: Tensor, quantized: bool) -> Tensor:
@@ -168,8 +160,8 @@ class ExactForward:
         q, k = (self.rnd(self.rnd(t * cos) + self.rnd(torch.cat((-t[..., c.head_dim // 2:], t[..., :c.head_dim // 2]),
                                                                   dim=-1) * sin)) for t in (q, k))
         k_all, v_all, allowed = self.keys_values(i, k, v, positions, allowed, cache, quantized)
-        y = self.rnd(arith.attention(q, k_all, v_all, allowed, c.head_dim**-0.5, self._tree_bmm())).reshape(B, T,
-                                                                                                     c.q_dim)
+        y = self.rnd(arith.attention(q, k_all, v_all, allowed, c.head_dim**-0.5, self._tree_bmm))
+        y = y.reshape(B, T, c.q_dim)
         return self.linear(attn.wo, y, quantized)
 
     def keys_values(self, i: int, k: Tensor, v: Tensor, positions: Tensor, allowed: Tensor | None,
@@ -178,26 +170,17 @@ class ExactForward:
         (the engine) or this forward's own (training), as the same per token-head NVFP4 values."""
         if cache is None:
             if quantized:
-                k, v = (arith.straight_through(t, self.quantize_rows(t.detach())) for t in (k, v))
+                k, v = (arith.straight_through(t, self._quantize_rows(t.detach().contiguous())) for t in (k, v))
             assert allowed is not None
             return k, v, allowed
         if quantized and i in getattr(cache, "layers", {}):  # an NVFP4 layer of the FP4 cache
             store, n = cache.layers[i], cache.visible
-            self._kv_append(cache)(store, k, v, positions)
+            (self._kv_append or cache.ops.kv_append)(store, k, v, positions)  # Triton's: no host read, graph-safe
             k_all = store.keys(n).dequantize(torch.float32).transpose(1, 2)
             v_all = store.values(n).dequantize(torch.float32).transpose(1, 2)
             return k_all, v_all, cache.allowed(positions)
         k_all, v_all, seen = cache.update(i, k, v, positions)
         return k_all.float(), v_all.float(), seen
-
-    def _kv_append(self, cache: KVCache) -> Callable[..., object]:
-        """The FP4 cache's append: the cache's own op, or the Triton kernel (the same bytes; no host read of the
-        positions, so a CUDA graph can hold it)."""
-        if self.kernels != "triton":
-            return cache.ops.kv_append
-        from trace_lightning.kernels import kv_append  # Triton: imported where it runs
-
-        return kv_append
 
     def moe(self, i: int, moe: nn.Module, x: Tensor, routed: Tensor | None) -> tuple[Tensor, Tensor]:
         c, quantized = self.config, self.config.is_quantized_layer(i)

@@ -56,12 +56,13 @@ def reference_fake_quantized(x: Tensor, fmt: FP4Format, ref: BlockFP4 | None = N
 
 
 def own_rounding(x: Tensor, fmt: FP4Format) -> BlockFP4:
-    """x's own round-to-nearest quantization in `fmt` (one Triton pass on a GPU for row-global NVFP4)."""
-    if _fused_wanted(x) and fmt.kind == "nvfp4" and fmt.global_scale == "row" and x.shape[-1] % 16 == 0:
-        from trace_lightning.kernels import quantize_nvfp4_rows  # Triton: imported where it runs
+    """x's own round-to-nearest quantization in `fmt`, its NVFP4 codes by the Triton quantizer where the fused kernels
+    run (the same bytes as the reference's)."""
+    if not _fused_wanted(x):
+        return fmt.quantize(x)
+    from trace_lightning.kernels import quantize_nvfp4  # Triton: imported where it runs
 
-        return quantize_nvfp4_rows(x.contiguous())
-    return fmt.quantize(x)
+    return fmt.quantize(x, nvfp4=quantize_nvfp4)
 
 
 def with_own_rounding(ref: BlockFP4, x: Tensor, recorded: Tensor, fmt: FP4Format) -> BlockFP4:

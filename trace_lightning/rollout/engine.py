@@ -90,12 +90,11 @@ class Engine:
         self.precision = precision
         self.config = model.config
         self.device = next(model.parameters()).device
-        # exact: the invariant arithmetic (trace_lightning/exact) is torch ops on any device, with the sim's ops for
-        # the cache; backend "triton" runs its FP4 steps (row quantizer, GEMMs) on Triton kernels ("auto": torch's)
-        self.ops: ModuleType = backend_for(self.device, "sim" if exact and backend == "auto" else backend)
-        self._exact_kernels = "triton" if is_triton(self.ops) else "torch"
-        if exact:
-            self.ops = backend_for(self.device, "sim")
+        # exact: the invariant arithmetic (trace_lightning/exact), on the sim's ops for everything else; backend
+        # "triton" runs its quantizer, cache append and GEMMs as Triton kernels with the same bits ("auto": torch's)
+        chosen = backend_for(self.device, "sim" if exact and backend == "auto" else backend)
+        self._exact_kernels = "triton" if exact and is_triton(chosen) else "torch"
+        self.ops: ModuleType = backend_for(self.device, "sim") if exact else chosen
         self.sync_every = max(1, sync_every)
         # decode steps replay as one CUDA graph on GPU (rollout/decode.py); the exact forward's too where its FP4
         # steps are Triton kernels (its torch GEMMs read group sizes back to the host). The graph attends over the
