@@ -114,14 +114,14 @@ def report(results: list[dict[str, Any]]) -> list[str]:
     bf16 (bf16 run, BF16 engine)."""
     by = {(r["method"], r["seed"]): r for r in results}
     methods = sorted({r["method"] for r in results}, key=lambda m: (m != "bf16", m))
-    lines = ["| method | seeds | FP4 greedy | FP4 sampled | BF16 sampled | FP4 greedy - ptq (paired) | "
-             "FP4 sampled - ptq (paired) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| method | seeds | FP4 greedy | FP4 sampled | BF16 greedy | BF16 sampled | FP4 greedy - ptq (paired) | "
+             "FP4 sampled - ptq (paired) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method in methods:
         rows = sorted((r for r in results if r["method"] == method), key=lambda r: r["seed"])
         refs = [(r, by.get(("bf16", r["seed"]))) for r in rows]
         diffs = {k: [r[k] - b["fp4_" + k.split("_")[1]] for r, b in refs if b] for k in ("fp4_greedy", "fp4_sampled")}
         lines.append(f"| {method} | {len(rows)} | " + " | ".join(
-            f"{statistics.fmean(r[k] for r in rows):.3f}" for k in ("fp4_greedy", "fp4_sampled", "bf16_sampled"))
+            f"{statistics.fmean(r[k] for r in rows):.3f}" for k in ("fp4_greedy", "fp4_sampled", "bf16_greedy", "bf16_sampled"))
             + " | " + (" | ".join(spread(diffs[k]) for k in diffs) if method != "bf16" else "(ptq) | (ptq)") + " |")
     return lines
 
