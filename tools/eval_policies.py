@@ -114,15 +114,17 @@ def report(results: list[dict[str, Any]]) -> list[str]:
     bf16 (bf16 run, BF16 engine)."""
     by = {(r["method"], r["seed"]): r for r in results}
     methods = sorted({r["method"] for r in results}, key=lambda m: (m != "bf16", m))
+    columns, paired = ("fp4_greedy", "fp4_sampled", "bf16_greedy", "bf16_sampled"), ("fp4_greedy", "fp4_sampled")
     lines = ["| method | seeds | FP4 greedy | FP4 sampled | BF16 greedy | BF16 sampled | FP4 greedy - ptq (paired) | "
              "FP4 sampled - ptq (paired) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method in methods:
         rows = sorted((r for r in results if r["method"] == method), key=lambda r: r["seed"])
-        refs = [(r, by.get(("bf16", r["seed"]))) for r in rows]
-        diffs = {k: [r[k] - b["fp4_" + k.split("_")[1]] for r, b in refs if b] for k in ("fp4_greedy", "fp4_sampled")}
-        lines.append(f"| {method} | {len(rows)} | " + " | ".join(
-            f"{statistics.fmean(r[k] for r in rows):.3f}" for k in ("fp4_greedy", "fp4_sampled", "bf16_greedy", "bf16_sampled"))
-            + " | " + (" | ".join(spread(diffs[k]) for k in diffs) if method != "bf16" else "(ptq) | (ptq)") + " |")
+        ptq = [(r, by[("bf16", r["seed"])]) for r in rows if ("bf16", r["seed"]) in by]
+        means = " | ".join(f"{statistics.fmean(r[k] for r in rows):.3f}" for k in columns)
+        diffs = " | ".join(spread([r[k] - b[k] for r, b in ptq]) for k in paired)
+        if method == "bf16":
+            diffs = "(ptq) | (ptq)"
+        lines.append(f"| {method} | {len(rows)} | {means} | {diffs} |")
     return lines
 
 
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(report(results)))
         return
     data = OmegaConf.to_container(OmegaConf.load(args.config)).get("data", {})
+    config_name = str(Path(args.config).resolve().relative_to(ROOT)) if Path(args.config).resolve().is_relative_to(
+        ROOT) else args.config
     env = make_env(data.get("env", "arithmetic"), **(data.get("env_kwargs") or {}))
     env = env.held_out() if callable(getattr(env, "held_out", None)) else env
     problems = distinct_problems(env)
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
         done.append(row)
         if args.json:
-            args.json.write_text(json.dumps({"config": args.config, "runs": done}, indent=1))
+            args.json.write_text(json.dumps({"config": config_name, "runs": done}, indent=1))
     print("\n".join(report(done)))
 
 

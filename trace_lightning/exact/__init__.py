@@ -1,5 +1,5 @@
 """trace_exact: one batch- and split-invariant forward for the rollout and the training step (arith, forward)."""
 
-from trace_lightning.exact.forward import ExactForward, quantize_rows, rope_table
+from trace_lightning.exact.forward import ExactForward, check_exact_kernels, quantize_rows, rope_table
 
-__all__ = ["ExactForward", "quantize_rows", "rope_table"]
+__all__ = ["ExactForward", "check_exact_kernels", "quantize_rows", "rope_table"]

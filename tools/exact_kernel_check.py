@@ -1,0 +1,135 @@
+"""GPU diagnosis of trace_exact's Triton kernels: which side of a mismatch is wrong, and what compiles cost.
+
+  python tools/exact_kernel_check.py [--device cpu]   (cpu: under TRITON_INTERPRET=1, small shapes: the tool's test)
+
+Prints, for small W4A4 products: the kernel against arith.fp4_matmul on the GPU and on the CPU, and against the
+kernel launched with float32 MMA operands ("ieee"); the decoders alone (E2M1 codes, E4M3 scale bytes) against
+torch's float8 dtype; and the tree kernel's first-call (compile) and warm times at the engine's shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trace_lightning.exact import arith  # noqa: E402
+from trace_lightning.exact.forward import quantize_rows  # noqa: E402
+from trace_lightning.kernels import exact as ke  # noqa: E402
+from trace_lightning.kernels._fp4 import e4m3_to_f32  # noqa: E402
+from trace_lightning.quant import quantize_weight  # noqa: E402
+from trace_lightning.quant.words import canonical  # noqa: E402
+from trace_lightning.sim._weights import row_globals  # noqa: E402
+
+
+def operands(P: int, N: int, K: int, device: str, seed: int = 0):  # noqa: ANN201
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(P, K, generator=g) * torch.logspace(-3, 2, P)[:, None]
+    x[0, :16] = 0.0  # an all-zero block, as the unit test has
+    w = torch.randn(N, K, generator=g) * 0.05
+    return quantize_rows(x.to(device)), quantize_weight(w.to(device), "nvfp4")
+
+
+def reference(xq, wq) -> torch.Tensor:  # noqa: ANN001
+    return arith.fp4_matmul(arith.fp4_integers(xq), arith.fp4_integers(wq), xq.global_scale.reshape(-1),
+                            row_globals(wq))
+
+
+def launch(xq, wq, dot, precision: str) -> torch.Tensor:  # noqa: ANN001
+    """exact_fp4_gemm's launch with the MMA operand dtype and precision given."""
+    w = canonical(wq)
+    P, K, N = xq.packed.shape[0], xq.packed.shape[-1] * 2, w.packed.shape[0]
+    counts = torch.full((1,), P, dtype=torch.int64, device=xq.packed.device)
+    group, start, end = ke.group_tiles(counts, P)
+    out = torch.empty(P, N, dtype=torch.float32, device=xq.packed.device)
+    ke._exact_fp4_gemm_kernel[(group.numel(), triton.cdiv(N, ke.BLOCK_N))](
+        xq.packed.contiguous(), xq.scales.contiguous().view(torch.uint8), xq.global_scale.reshape(-1).float(),
+        w.packed.contiguous(), w.scales.contiguous().view(torch.uint8), row_globals(w).float().contiguous(),
+        out, group, start, end, N, K, BLOCK_M=ke.BLOCK_M, BLOCK_N=ke.BLOCK_N, EXACT_K=ke.EXACT_K, DOT=dot,
+        PRECISION=precision)
+    return out
+
+
+def report(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    got, want = got.cpu(), want.cpu()
+    bad = got.view(torch.int32) != want.view(torch.int32)
+    rows = sorted({int(i) for i in bad.nonzero()[:, 0]})
+    where = bad.nonzero()[:4].tolist()
+    pairs = [(got[tuple(i)].item(), want[tuple(i)].item()) for i in where]
+    print(f"{name}: {int(bad.sum())}/{bad.numel()} differ; rows {rows[:12]}; at {where}: got, want {pairs}",
+          flush=True)
+
+
+@triton.jit
+def _decode_kernel(codes_ptr, bytes_ptr, e2m1_ptr, e4m3_ptr):
+    i = tl.arange(0, 256)
+    codes = tl.load(codes_ptr + i)
+    tl.store(e2m1_ptr + i, ke._twice_e2m1(codes, tl.float16).to(tl.float32))
+    tl.store(e4m3_ptr + i, e4m3_to_f32(tl.load(bytes_ptr + i).to(tl.int32)))
+
+
+def decoders(device: str) -> None:
+    codes = (torch.arange(256, device=device) % 16).to(torch.int32)
+    b = torch.arange(256, device=device, dtype=torch.int32)
+    e2m1, e4m3 = torch.empty(256, device=device), torch.empty(256, device=device)
+    _decode_kernel[(1,)](codes, b, e2m1, e4m3)
+    lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], device=device)
+    report("2*E2M1 decode", e2m1, 2 * lut[codes.long()])
+    want = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    ok = ~want.isnan()
+    report("E4M3 decode", e4m3[ok], want[ok])
+
+
+def gemms(device: str) -> None:
+    for P, N, K in [(5, 24, 64), (16, 64, 16), (19, 70, 160), (3, 9, 2080)]:
+        xq, wq = operands(P, N, K, device)
+        want = reference(xq, wq)
+        xc, wc = operands(P, N, K, "cpu")
+        report(f"[{P},{N},{K}] arith {device} vs arith cpu", want, reference(xc, wc))
+        report(f"[{P},{N},{K}] kernel (fp16 MMA)", ke.exact_fp4_gemm(xq, wq), want)
+        report(f"[{P},{N},{K}] kernel (fp32 MMA, ieee)", launch(xq, wq, tl.float32, "ieee"), want)
+
+
+TREE_SHAPES = {
+    "cuda": [((1, 1, 64, 1024), (1, 1, 4096, 1024)), ((64, 8, 1, 128), (64, 2, 300, 128)),
+             ((64, 8, 1, 300), (64, 2, 128, 300)), ((8, 8, 150, 128), (8, 2, 150, 128))],
+    "cpu": [((2, 4, 3, 40), (2, 2, 5, 40))],
+}
+"""(a, b) shapes of exact_tree_bmm: the lm head, decode q.k and P.V, a prefill's q.k (a small one on the CPU)."""
+
+
+def tree_times(device: str) -> None:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for shape in TREE_SHAPES[device]:
+        a, b = torch.randn(*shape[0], device=device), torch.randn(*shape[1], device=device)
+        times = []
+        for _ in range(3):
+            sync()
+            t = time.perf_counter()
+            got = ke.exact_tree_bmm(a, b)
+            sync()
+            times.append(time.perf_counter() - t)
+        report(f"tree {shape}", got, arith.tree_bmm(a, b))
+        print(f"tree {shape}: first {times[0]:.2f} s, then {times[-1] * 1e3:.2f} ms", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    device = p.parse_args(argv).device
+    for part in (decoders, gemms, tree_times):
+        try:
+            part(device)
+        except Exception as e:  # noqa: BLE001 - a diagnosis reports every part
+            print(f"{part.__name__}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
