@@ -83,17 +83,20 @@ def hit_rate(worker: RolloutWorker, env: Env, problems: list[Problem], samples: 
     return sum(rewards) / len(rewards)
 
 
-def evaluate(ckpt_path: Path, env: Env, problems: list[Problem], samples: int) -> dict[str, float]:
-    """Greedy and sampled accuracy of one checkpoint's policy, by each engine."""
+def evaluate(ckpt_path: Path, env: Env, problems: list[Problem], samples: int, fmt: str | None = None
+             ) -> dict[str, Any]:
+    """Greedy and sampled accuracy of one checkpoint's policy, by each engine, and the FP4 engine's format: `fmt`, or
+    by default the run's own trace.fmt."""
     ckpt = read_checkpoint(ckpt_path, "--runs")
     hp = ckpt["hyper_parameters"]
     policy, tokenizer = build_policy(hp["model"], hp.get("checkpoint"))
     policy.load_state_dict(policy_weights(ckpt))
     policy.eval().requires_grad_(False)
     rollout = RolloutConfig(**hp["rollout"])
-    scores: dict[str, float] = {}
+    fmt = fmt or hp["trace"]["fmt"]
+    scores: dict[str, Any] = {"fmt": fmt}
     for engine, method in ENGINES.items():
-        trace = TraceConfig(**{**hp["trace"], "method": method})
+        trace = TraceConfig(**{**hp["trace"], "method": method, "fmt": fmt})
         worker = RolloutWorker(policy, tokenizer, get_method(method), trace, rollout)
         scores[f"{engine}_greedy"] = hit_rate(worker, env, problems, samples, greedy=True)
         scores[f"{engine}_sampled"] = hit_rate(worker, env, problems, samples, greedy=False)
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default=str(ROOT / "conf" / "sim.yaml"), help="the fits' config (its data: section)")
     p.add_argument("--samples", type=int, default=32, help="rollouts per problem at the rollout temperature")
     p.add_argument("--methods", nargs="*", default=None, help="only these methods (default: every run found)")
+    p.add_argument("--fmt", default=None, help="the FP4 engine's format, e.g. mxfp4 (default: each run's trace.fmt); "
+                   "PTQ in another format than the bf16 runs were evaluated in")
     p.add_argument("--json", type=Path, default=None, help="results file: read (finished runs skipped), then written")
     p.add_argument("--report", nargs="*", type=Path, default=None, help="report these results files; score nothing")
     args = p.parse_args(argv)
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         if (method, seed) in scored or (args.methods and method not in args.methods):
             continue
         row = {"method": method, "seed": seed, "checkpoint": str(ckpt), "problems": len(problems),
-               "samples": args.samples, **evaluate(ckpt, env, problems, args.samples)}
+               "samples": args.samples, **evaluate(ckpt, env, problems, args.samples, args.fmt)}
         print(json.dumps(row), flush=True)
         done.append(row)
         if args.json:

@@ -92,3 +92,23 @@ def test_samples_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         ev.main(["--samples", "0"])
     assert "--samples must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_fp4_engine_takes_the_format_asked_for(sweep: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """--fmt mxfp4 scores the policies on an MXFP4 engine (PTQ in another format); the BF16 engine is unchanged."""
+    built: list[tuple[str, str]] = []
+    worker = ev.RolloutWorker
+
+    def recording(policy, tokenizer, method, trace, rollout):  # noqa: ANN001, ANN202
+        built.append((method.name, trace.fmt))
+        return worker(policy, tokenizer, method, trace, rollout)
+
+    monkeypatch.setattr(ev, "RolloutWorker", recording)
+    nv, mx = tmp_path / "nv.json", tmp_path / "mx.json"
+    ev.main(["--runs", str(sweep), "--samples", "2", "--methods", "bf16", "--json", str(nv)])
+    ev.main(["--runs", str(sweep), "--samples", "2", "--methods", "bf16", "--fmt", "mxfp4", "--json", str(mx)])
+    (a,), (b,) = json.loads(nv.read_text())["runs"], json.loads(mx.read_text())["runs"]
+    assert (a["fmt"], b["fmt"]) == ("nvfp4", "mxfp4")
+    assert (a["bf16_greedy"], a["bf16_sampled"]) == (b["bf16_greedy"], b["bf16_sampled"])
+    assert built == [("fp4_naive", "nvfp4"), ("bf16", "nvfp4"), ("fp4_naive", "mxfp4"), ("bf16", "mxfp4")]
