@@ -194,12 +194,12 @@ class PolicyModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Take cpu_threads for this run only; teardown gives the process its thread count back."""
-        self._threads_before = torch.get_num_threads()
-        if self.hparams.cpu_threads:
-            torch.set_num_threads(self.hparams.cpu_threads)
         if self.method.exact:  # before the warm start, not at the first rollout
             check_exact_kernels("triton" if self.trace.backend == "triton" else "torch",
                                 self.trainer.strategy.root_device)
+        self._threads_before = torch.get_num_threads()
+        if self.hparams.cpu_threads:
+            torch.set_num_threads(self.hparams.cpu_threads)
 
     def teardown(self, stage: str) -> None:
         torch.set_num_threads(getattr(self, "_threads_before", torch.get_num_threads()))
