@@ -113,21 +113,23 @@ def spread(values: list[float]) -> str:
 
 
 def report(results: list[dict[str, Any]]) -> list[str]:
-    """Per method: mean accuracies, and paired differences against the same seed's PTQ (bf16 run, FP4 engine) and
-    bf16 (bf16 run, BF16 engine)."""
-    by = {(r["method"], r["seed"]): r for r in results}
-    methods = sorted({r["method"] for r in results}, key=lambda m: (m != "bf16", m))
+    """Per method and FP4 format: mean accuracies, and paired differences against PTQ, the same seed's bf16 policy on
+    an FP4 engine of the same format."""
+    by = {(r["method"], r["seed"], r["fmt"]): r for r in results}
+    methods = sorted({(r["method"], r["fmt"]) for r in results}, key=lambda m: (m[0] != "bf16", m))
     columns, paired = ("fp4_greedy", "fp4_sampled", "bf16_greedy", "bf16_sampled"), ("fp4_greedy", "fp4_sampled")
     lines = ["| method | seeds | FP4 greedy | FP4 sampled | BF16 greedy | BF16 sampled | FP4 greedy - ptq (paired) | "
              "FP4 sampled - ptq (paired) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for method in methods:
-        rows = sorted((r for r in results if r["method"] == method), key=lambda r: r["seed"])
-        ptq = [(r, by[("bf16", r["seed"])]) for r in rows if ("bf16", r["seed"]) in by]
+    formats = {fmt for _, fmt in methods}
+    for method, fmt in methods:
+        rows = sorted((r for r in results if (r["method"], r["fmt"]) == (method, fmt)), key=lambda r: r["seed"])
+        ptq = [(r, by[("bf16", r["seed"], fmt)]) for r in rows if ("bf16", r["seed"], fmt) in by]
         means = " | ".join(f"{statistics.fmean(r[k] for r in rows):.3f}" for k in columns)
         diffs = " | ".join(spread([r[k] - b[k] for r, b in ptq]) for k in paired)
         if method == "bf16":
             diffs = "(ptq) | (ptq)"
-        lines.append(f"| {method} | {len(rows)} | {means} | {diffs} |")
+        name = method if len(formats) == 1 else f"{method} ({fmt})"
+        lines.append(f"| {name} | {len(rows)} | {means} | {diffs} |")
     return lines
 
 

@@ -41,13 +41,16 @@ def test_distinct_problems_are_every_held_out_prompt_once() -> None:
 
 
 def test_paired_differences_are_against_the_same_seeds_ptq() -> None:
-    def row(method: str, seed: int, fp4: float) -> dict:
-        return {"method": method, "seed": seed, "fp4_greedy": fp4, "fp4_sampled": fp4 - 0.1,
+    def row(method: str, seed: int, fp4: float, fmt: str = "nvfp4") -> dict:
+        return {"method": method, "seed": seed, "fmt": fmt, "fp4_greedy": fp4, "fp4_sampled": fp4 - 0.1,
                 "bf16_greedy": fp4, "bf16_sampled": fp4}
 
     results = [row("bf16", 0, 0.70), row("bf16", 1, 0.80), row("trace_compact", 0, 0.75), row("trace_compact", 1, 0.78),
                row("trace_compact", 2, 0.99)]  # seed 2 has no bf16 run: left out of the pairs
     lines = ev.report(results)
+    mixed = ev.report(results + [row("bf16", 2, 0.5, fmt="mxfp4")])  # PTQ in another format: not a pair
+    assert next(line for line in mixed if line.startswith("| trace_compact (nvfp4) |")) == lines[3].replace(
+        "| trace_compact |", "| trace_compact (nvfp4) |")
     tc = next(line for line in lines if line.startswith("| trace_compact |"))
     # (0.75 - 0.70, 0.78 - 0.80) = (+0.05, -0.02): mean +0.015, sample std 0.0495, se 0.035, above on 1 of 2
     assert "| +0.015 +- 0.049 (se 0.035; > 0 on 1/2) |" in tc
