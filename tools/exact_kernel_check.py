@@ -2,9 +2,10 @@
 
   python tools/exact_kernel_check.py [--device cpu]   (cpu: under TRITON_INTERPRET=1, small shapes: the tool's test)
 
-Prints, for small W4A4 products: the kernel against arith.fp4_matmul on the GPU and on the CPU, and against the
-kernel launched with float32 MMA operands ("ieee"); the decoders alone (E2M1 codes, E4M3 scale bytes) against
-torch's float8 dtype; and the tree kernel's first-call (compile) and warm times at the engine's shapes.
+Prints, for small W4A4 products: the operands quantized on the GPU against the CPU's (codes, scales, globals), the
+kernel against arith.fp4_matmul on the GPU and on the CPU, and against the kernel launched with float32 MMA operands
+("ieee"); the decoders alone (E2M1 codes, E4M3 scale bytes) against torch's float8 dtype; and the tree kernel's
+first-call (compile) and warm times at the engine's shapes.
 """
 
 from __future__ import annotations
@@ -42,21 +43,6 @@ def reference(xq, wq) -> torch.Tensor:  # noqa: ANN001
                             row_globals(wq))
 
 
-def launch(xq, wq, dot, precision: str) -> torch.Tensor:  # noqa: ANN001
-    """exact_fp4_gemm's launch with the MMA operand dtype and precision given."""
-    w = canonical(wq)
-    P, K, N = xq.packed.shape[0], xq.packed.shape[-1] * 2, w.packed.shape[0]
-    counts = torch.full((1,), P, dtype=torch.int64, device=xq.packed.device)
-    group, start, end = ke.group_tiles(counts, P)
-    out = torch.empty(P, N, dtype=torch.float32, device=xq.packed.device)
-    ke._exact_fp4_gemm_kernel[(group.numel(), triton.cdiv(N, ke.BLOCK_N))](
-        xq.packed.contiguous(), xq.scales.contiguous().view(torch.uint8), xq.global_scale.reshape(-1).float(),
-        w.packed.contiguous(), w.scales.contiguous().view(torch.uint8), row_globals(w).float().contiguous(),
-        out, group, start, end, N, K, BLOCK_M=ke.BLOCK_M, BLOCK_N=ke.BLOCK_N, EXACT_K=ke.EXACT_K, DOT=dot,
-        PRECISION=precision)
-    return out
-
-
 def report(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     got, want = got.cpu(), want.cpu()
     bad = got.view(torch.int32) != want.view(torch.int32)
@@ -92,9 +78,15 @@ def gemms(device: str) -> None:
         xq, wq = operands(P, N, K, device)
         want = reference(xq, wq)
         xc, wc = operands(P, N, K, "cpu")
+        for side, got, cpu in (("x", xq, xc), ("w", canonical(wq), canonical(wc))):
+            report(f"[{P},{N},{K}] {side} codes {device} vs cpu", got.codes().float(), cpu.codes().float())
+            report(f"[{P},{N},{K}] {side} scales {device} vs cpu", got.scales.float(), cpu.scales.float())
+        report(f"[{P},{N},{K}] globals {device} vs cpu", torch.cat([xq.global_scale.reshape(-1), row_globals(wq)]),
+               torch.cat([xc.global_scale.reshape(-1), row_globals(wc)]))
         report(f"[{P},{N},{K}] arith {device} vs arith cpu", want, reference(xc, wc))
         report(f"[{P},{N},{K}] kernel (fp16 MMA)", ke.exact_fp4_gemm(xq, wq), want)
-        report(f"[{P},{N},{K}] kernel (fp32 MMA, ieee)", launch(xq, wq, tl.float32, "ieee"), want)
+        ieee = ke.exact_fp4_gemm(xq, wq, dot=tl.float32, precision="ieee")
+        report(f"[{P},{N},{K}] kernel (fp32 MMA, ieee)", ieee, want)
 
 
 TREE_SHAPES = {

@@ -1,5 +1,11 @@
 """trace_exact: one batch- and split-invariant forward for the rollout and the training step (arith, forward)."""
 
-from trace_lightning.exact.forward import ExactForward, check_exact_kernels, quantize_rows, rope_table
+from trace_lightning.exact.forward import (
+    ExactForward,
+    check_exact_kernels,
+    exact_kernels_for,
+    quantize_rows,
+    rope_table,
+)
 
-__all__ = ["ExactForward", "check_exact_kernels", "quantize_rows", "rope_table"]
+__all__ = ["ExactForward", "check_exact_kernels", "exact_kernels_for", "quantize_rows", "rope_table"]

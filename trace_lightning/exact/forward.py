@@ -35,6 +35,12 @@ append, float64 FP4 GEMMs, tree GEMMs; any device) or Triton kernels with the sa
 kernels.kv_append, kernels/exact.py's GEMMs)."""
 
 
+def exact_kernels_for(backend: str) -> str:
+    """The exact forward's kernels for an op backend choice (BACKENDS): Triton's only when asked by name ("auto"
+    keeps the torch path, measured on the GPU); the engine and the fit's setup both decide by this."""
+    return "triton" if backend == "triton" else "torch"
+
+
 def check_exact_kernels(kernels: str, device: torch.device) -> None:
     """Refuse the Triton exact kernels on CUDA: they agree with the torch path bit for bit under Triton's interpreter,
     but on a GPU (an H100) the W4A4 kernel's products differed from the exact reference

@@ -105,9 +105,13 @@ def group_tiles(counts: Tensor, rows: int, block_m: int = BLOCK_M) -> tuple[Tens
     return group.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
-def exact_fp4_gemm(xq: NVFP4, w: NVFP4, counts: Tensor | None = None) -> Tensor:
+def exact_fp4_gemm(xq: NVFP4, w: NVFP4, counts: Tensor | None = None, *, dot: tl.dtype | None = None,
+                   precision: str | None = None) -> Tensor:
     """Activation rows xq [P, K] (per-row globals) @ FP4 weight w [N, K] (or [G, N, K] with rows sorted by group,
-    `counts` (G,) a group) -> float32 [P, N], bit for bit `arith.fp4_matmul` of their FP4 integers."""
+    `counts` (G,) a group) -> float32 [P, N], bit for bit `arith.fp4_matmul` of their FP4 integers.
+
+    `dot` and `precision` override the MMA operands' Triton dtype and input precision (default fp16, "tf32" on
+    CUDA): every choice holds the block sums exactly, so a diagnosis (tools/exact_kernel_check.py) can vary them."""
     w = canonical(w)
     P, K = xq.packed.shape[0], xq.packed.shape[-1] * 2
     if K % 16 or w.packed.shape[-1] * 2 != K:
@@ -132,8 +136,8 @@ def exact_fp4_gemm(xq: NVFP4, w: NVFP4, counts: Tensor | None = None) -> Tensor:
         xq.packed.contiguous(), xq.scales.contiguous().view(torch.uint8), a_global,
         w.packed.contiguous(), w.scales.contiguous().view(torch.uint8), row_globals(w).float().contiguous(),
         out, group, start, end, N, K,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT_K=EXACT_K, DOT=mma_dtype(torch.float16, device),
-        PRECISION="ieee" if device.type != "cuda" else "tf32",
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EXACT_K=EXACT_K, DOT=dot or mma_dtype(torch.float16, device),
+        PRECISION=precision or ("ieee" if device.type != "cuda" else "tf32"),
     )
     return out
 

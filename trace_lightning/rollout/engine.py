@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from trace_lightning.exact import ExactForward
+from trace_lightning.exact import ExactForward, exact_kernels_for
 from trace_lightning.guidance.compaction import route_bytes_per_token
 from trace_lightning.guidance.identity import scan_tensors, weights_fingerprint
 from trace_lightning.guidance.layout import RecordLayout, site_rows
@@ -93,7 +93,7 @@ class Engine:
         # exact: the invariant arithmetic (trace_lightning/exact), on the sim's ops for everything else; backend
         # "triton" runs its quantizer, cache append and GEMMs as Triton kernels with the same bits ("auto": torch's)
         chosen = backend_for(self.device, "sim" if exact and backend == "auto" else backend)
-        self._exact_kernels = "triton" if exact and is_triton(chosen) else "torch"
+        self._exact_kernels = exact_kernels_for(backend) if exact else "torch"
         self.ops: ModuleType = backend_for(self.device, "sim") if exact else chosen
         self.sync_every = max(1, sync_every)
         # decode steps replay as one CUDA graph on GPU (rollout/decode.py); the exact forward's too where its FP4
