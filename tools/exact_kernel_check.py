@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trace_lightning.exact import arith  # noqa: E402
 from trace_lightning.exact.forward import quantize_rows  # noqa: E402
 from trace_lightning.kernels import exact as ke  # noqa: E402
-from trace_lightning.kernels._fp4 import e4m3_to_f32  # noqa: E402
+from trace_lightning.kernels._fp4 import e2m1_to_f16_scaled, e4m3_to_f32  # noqa: E402
 from trace_lightning.quant import quantize_weight  # noqa: E402
 from trace_lightning.quant.words import canonical  # noqa: E402
 from trace_lightning.sim._weights import row_globals  # noqa: E402
@@ -54,20 +54,22 @@ def report(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @triton.jit
-def _decode_kernel(codes_ptr, bytes_ptr, e2m1_ptr, e4m3_ptr):
+def _decode_kernel(codes_ptr, bytes_ptr, e2m1_ptr, e2m1_bits_ptr, e4m3_ptr):
     i = tl.arange(0, 256)
     codes = tl.load(codes_ptr + i)
     tl.store(e2m1_ptr + i, ke._twice_e2m1(codes, tl.float16).to(tl.float32))
+    tl.store(e2m1_bits_ptr + i, e2m1_to_f16_scaled(codes).to(tl.float32) * 32768.0)  # the FP4 GEMMs' fp16 bit trick
     tl.store(e4m3_ptr + i, e4m3_to_f32(tl.load(bytes_ptr + i).to(tl.int32)))
 
 
 def decoders(device: str) -> None:
     codes = (torch.arange(256, device=device) % 16).to(torch.int32)
     b = torch.arange(256, device=device, dtype=torch.int32)
-    e2m1, e4m3 = torch.empty(256, device=device), torch.empty(256, device=device)
-    _decode_kernel[(1,)](codes, b, e2m1, e4m3)
+    e2m1, e2m1_bits, e4m3 = (torch.empty(256, device=device) for _ in range(3))
+    _decode_kernel[(1,)](codes, b, e2m1, e2m1_bits, e4m3)
     lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], device=device)
-    report("2*E2M1 decode", e2m1, 2 * lut[codes.long()])
+    report("2*E2M1 decode", e2m1, 2 * lut[codes.long()] + 0.0)  # integers: code 8 (-0) decodes to +0
+    report("2*E2M1 decode, fp16 bits", e2m1_bits, 2 * lut[codes.long()])
     want = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
     ok = ~want.isnan()
     report("E4M3 decode", e4m3[ok], want[ok])

@@ -22,8 +22,8 @@ def test_every_check_runs_and_agrees_on_the_cpu(capsys: pytest.CaptureFixture[st
     tool.main(["--device", "cpu"])
     out = capsys.readouterr().out
     counts = re.findall(r": (\d+)/(\d+) differ", out)
-    # decoders 2, four GEMM shapes x (operands 5: codes and scales of each side, the globals; the reference on two
+    # decoders 3, four GEMM shapes x (operands 5: codes and scales of each side, the globals; the reference on two
     # devices; two kernel launches) 32, one tree shape 1
-    assert len(counts) == 35, out
+    assert len(counts) == 36, out
     assert all(bad == "0" for bad, _ in counts), out
     assert "Error" not in out, out

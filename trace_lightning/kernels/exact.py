@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from trace_lightning.kernels._common import mma_dtype
-from trace_lightning.kernels._fp4 import e2m1_to_f16_scaled, e4m3_to_f32, unpack_codes
+from trace_lightning.kernels._fp4 import e4m3_to_f32, unpack_codes
 from trace_lightning.quant import NVFP4
 from trace_lightning.quant.words import canonical
 from trace_lightning.sim._weights import row_globals
@@ -39,8 +39,12 @@ BLOCK_M, BLOCK_N = 16, 64
 
 @triton.jit
 def _twice_e2m1(codes, DOT: tl.constexpr):
-    """2 * E2M1 value of int32 codes, an integer in [-12, 12]: exact in fp16 (and in the interpreter's float32)."""
-    return (e2m1_to_f16_scaled(codes).to(tl.float32) * 32768.0).to(DOT)
+    """2 * E2M1 value of int32 codes, an integer in [-12, 12] by integer arithmetic (0, 1, 2, 3, then (2 | 3) << e
+    for exponents 1-3), exact in fp16 and float32. Integers rather than the fp16 bit trick of the FP4 GEMMs: nothing
+    here depends on how a conversion treats fp16 subnormals."""
+    m = codes & 7
+    magnitude = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
+    return tl.where((codes & 8) != 0, -magnitude, magnitude).to(DOT)
 
 
 @triton.jit
