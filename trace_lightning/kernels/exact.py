@@ -27,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from trace_lightning.kernels._common import mma_dtype
-from trace_lightning.kernels._fp4 import e4m3_to_f32, unpack_codes
+from trace_lightning.kernels._fp4 import e4m3_to_f32
 from trace_lightning.quant import NVFP4
 from trace_lightning.quant.words import canonical
 from trace_lightning.sim._weights import row_globals
@@ -45,6 +45,16 @@ def _twice_e2m1(codes, DOT: tl.constexpr):
     m = codes & 7
     magnitude = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum((m >> 1) - 1, 0))
     return tl.where((codes & 8) != 0, -magnitude, magnitude).to(DOT)
+
+
+@triton.jit
+def _block_codes(ptr, rows, half, kb, ok):
+    """int32 codes [rows, 16] of 16-wide block kb, column k from byte k // 2's nibble k % 2. Each byte is loaded twice
+    rather than split by join and reshape: on an H100 that reshape, feeding a tensor-core dot, paired the two operands'
+    codes in different K orders (every product wrong, while the FMA dot was right)."""
+    k = tl.arange(0, 16)
+    packed = tl.load(ptr + rows[:, None] * half + kb * 8 + (k // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    return (packed >> (4 * (k % 2))[None, :]) & 15
 
 
 @triton.jit
@@ -67,15 +77,13 @@ def _exact_fp4_gemm_kernel(
     row_ok, col_ok = rows < end, cols < N
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
     b_rows = group * N + cols64  # the group's weight rows
-    half, byte, blocks = K // 2, tl.arange(0, 8), K // 16
+    half, blocks = K // 2, K // 16
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
     for k0 in range(0, K, EXACT_K):
         part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float64)
         for kb in range(k0 // 16, tl.minimum(k0 + EXACT_K, K) // 16):
-            a_bytes = tl.load(a_ptr + rows64[:, None] * half + kb * 8 + byte[None, :], mask=row_ok[:, None], other=0)
-            b_bytes = tl.load(b_ptr + b_rows[:, None] * half + kb * 8 + byte[None, :], mask=col_ok[:, None], other=0)
-            a = _twice_e2m1(unpack_codes(a_bytes, BLOCK_M, 16), DOT)
-            b = _twice_e2m1(unpack_codes(b_bytes, BLOCK_N, 16), DOT)
+            a = _twice_e2m1(_block_codes(a_ptr, rows64, half, kb, row_ok), DOT)
+            b = _twice_e2m1(_block_codes(b_ptr, b_rows, half, kb, col_ok), DOT)
             block = tl.dot(a, tl.trans(b), input_precision=PRECISION)  # integers <= 2304: exact in float32
             a_scale = tl.load(a_scale_ptr + rows64 * blocks + kb, mask=row_ok, other=0).to(tl.int32)
             b_scale = tl.load(b_scale_ptr + b_rows * blocks + kb, mask=col_ok, other=0).to(tl.int32)
