@@ -50,8 +50,9 @@ def _twice_e2m1(codes, DOT: tl.constexpr):
 @triton.jit
 def _block_codes(ptr, rows, half, kb, ok):
     """int32 codes [rows, 16] of 16-wide block kb, column k from byte k // 2's nibble k % 2. Each byte is loaded twice
-    rather than split by join and reshape: on an H100 that reshape, feeding a tensor-core dot, paired the two operands'
-    codes in different K orders (every product wrong, while the FMA dot was right)."""
+    rather than split by join and reshape: with that split, every tensor-core dot on an H100 gave wrong products while
+    the FMA dot was right, likeliest because the two operands' codes reached the MMA in different K orders (this
+    form's GPU test is still to run; the kernel stays refused on CUDA until it passes)."""
     k = tl.arange(0, 16)
     packed = tl.load(ptr + rows[:, None] * half + kb * 8 + (k // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
     return (packed >> (4 * (k % 2))[None, :]) & 15
@@ -123,7 +124,7 @@ def exact_fp4_gemm(xq: NVFP4, w: NVFP4, counts: Tensor | None = None, *, dot: tl
     `counts` (G,) a group) -> float32 [P, N], bit for bit `arith.fp4_matmul` of their FP4 integers.
 
     `dot` and `precision` override the MMA operands' Triton dtype and input precision (default fp16, "tf32" on
-    CUDA): every choice holds the block sums exactly, so a diagnosis (tools/exact_kernel_check.py) can vary them."""
+    CUDA): each represents the block sums exactly, so a diagnosis (tools/exact_kernel_check.py) can vary them."""
     w = canonical(w)
     P, K = xq.packed.shape[0], xq.packed.shape[-1] * 2
     if K % 16 or w.packed.shape[-1] * 2 != K:
