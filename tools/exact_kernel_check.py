@@ -43,7 +43,8 @@ def reference(xq, wq) -> torch.Tensor:  # noqa: ANN001
                             row_globals(wq))
 
 
-def report(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def report(name: str, got: torch.Tensor, want: torch.Tensor) -> int:
+    """Print how many values of `got` differ from `want` (bit for bit) and where; return that count."""
     got, want = got.cpu(), want.cpu()
     bad = got.view(torch.int32) != want.view(torch.int32)
     rows = sorted({int(i) for i in bad.nonzero()[:, 0]})
@@ -51,6 +52,7 @@ def report(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     pairs = [(got[tuple(i)].item(), want[tuple(i)].item()) for i in where]
     print(f"{name}: {int(bad.sum())}/{bad.numel()} differ; rows {rows[:12]}; at {where}: got, want {pairs}",
           flush=True)
+    return int(bad.sum())
 
 
 @triton.jit
@@ -62,7 +64,7 @@ def _decode_kernel(codes_ptr, bytes_ptr, e2m1_ptr, e2m1_bits_ptr, e4m3_ptr):
     tl.store(e4m3_ptr + i, e4m3_to_f32(tl.load(bytes_ptr + i).to(tl.int32)))
 
 
-def decoders(device: str) -> None:
+def decoders(device: str) -> int:
     codes = (torch.arange(256, device=device) % 16).to(torch.int32)
     b = torch.arange(256, device=device, dtype=torch.int32)
     e2m1, e2m1_bits, e4m3 = (torch.empty(256, device=device) for _ in range(3))
@@ -73,9 +75,12 @@ def decoders(device: str) -> None:
     want = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
     ok = ~want.isnan()
     report("E4M3 decode", e4m3[ok], want[ok])
+    return 0  # the decoders explain a failure; the kernels' own comparisons decide it
 
 
-def gemms(device: str) -> None:
+def gemms(device: str) -> int:
+    """The default launch's differing products (what the engine and training run)."""
+    failed = 0
     for P, N, K in [(5, 24, 64), (16, 64, 16), (19, 70, 160), (3, 9, 2080)]:
         xq, wq = operands(P, N, K, device)
         want = reference(xq, wq)
@@ -86,9 +91,10 @@ def gemms(device: str) -> None:
         report(f"[{P},{N},{K}] globals {device} vs cpu", torch.cat([xq.global_scale.reshape(-1), row_globals(wq)]),
                torch.cat([xc.global_scale.reshape(-1), row_globals(wc)]))
         report(f"[{P},{N},{K}] arith {device} vs arith cpu", want, reference(xc, wc))
-        report(f"[{P},{N},{K}] kernel (fp16 MMA)", ke.exact_fp4_gemm(xq, wq), want)
+        failed += report(f"[{P},{N},{K}] kernel (default: fp16 MMA)", ke.exact_fp4_gemm(xq, wq), want)
         ieee = ke.exact_fp4_gemm(xq, wq, dot=tl.float32, precision="ieee")
         report(f"[{P},{N},{K}] kernel (fp32 MMA, ieee)", ieee, want)
+    return failed
 
 
 TREE_SHAPES = {
@@ -99,7 +105,8 @@ TREE_SHAPES = {
 """(a, b) shapes of exact_tree_bmm: the lm head, decode q.k and P.V, a prefill's q.k (a small one on the CPU)."""
 
 
-def tree_times(device: str) -> None:
+def tree_times(device: str) -> int:
+    failed = 0
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for shape in TREE_SHAPES[device]:
         a, b = torch.randn(*shape[0], device=device), torch.randn(*shape[1], device=device)
@@ -110,20 +117,29 @@ def tree_times(device: str) -> None:
             got = ke.exact_tree_bmm(a, b)
             sync()
             times.append(time.perf_counter() - t)
-        report(f"tree {shape}", got, arith.tree_bmm(a, b))
+        failed += report(f"tree {shape}", got, arith.tree_bmm(a, b))
         print(f"tree {shape}: first {times[0]:.2f} s, then {times[-1] * 1e3:.2f} ms", flush=True)
+    return failed
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run every part; 0 when the kernels as the engine launches them agree with the reference everywhere, else 1
+    (so a GPU call can chain what needs them: `python3 tools/exact_kernel_check.py && ...`)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     device = p.parse_args(argv).device
+    failed, broken = 0, []
     for part in (decoders, gemms, tree_times):
         try:
-            part(device)
+            failed += part(device)
         except Exception as e:  # noqa: BLE001 - a diagnosis reports every part
+            broken.append(part.__name__)
             print(f"{part.__name__}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    ok = failed == 0 and not broken
+    print(f"verdict: {'the exact kernels agree with the reference' if ok else 'FAILED'} ({failed} values differ"
+          f"{'; parts that raised: ' + ', '.join(broken) if broken else ''})", flush=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
