@@ -81,13 +81,25 @@ def timed(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tu
 
 
 def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> None:
+    """The largest ops of one call, and whether it is launch-bound: wall time against the device's busy time (the
+    sum of its kernels' times) and the number of kernel launches."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+    print(averages.table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+    launches = sum(a.count for a in averages if a.key in LAUNCH_CALLS)
+    busy = sum(getattr(a, "self_device_time_total", 0.0) for a in averages) / 1e3
+    print(f"profiled call: wall {wall * 1e3:.1f} ms (profiler on), device busy {busy:.1f} ms, {launches} kernel "
+          f"launches")
+
+
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
 def main() -> None:
