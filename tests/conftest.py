@@ -17,14 +17,59 @@ from pathlib import Path
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Before anything imports triton.language (lightning, compressed-tensors and torchao all do): its standard
     # library is decorated then, and only when the interpreter is on does it run inside interpreted kernels.
-    # tests/kernels/conftest.py explains the rest.
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _position_independent_interpreter_dot() -> None:
+    """Under TRITON_INTERPRET, `tl.dot` is `np.matmul` in float32, and OpenBLAS's sgemm kernels (its Haswell one,
+    picked on some AMD hosts) round a column differently depending on its position in the tile. A GPU MMA treats
+    every row and column alike, so kernel tests (e.g. "the order of pairs within an expert changes nothing") must
+    not see that artefact. This dot sums in float64 and rounds once to the accumulator's dtype. Under the
+    interpreter the kernels pass bf16-valued operands as float32 (kernels._common.mma_torch_dtype), and for those
+    every product and partial sum of a tile is exact in float64, so the result is the correctly rounded dot
+    wherever its row and column sit, whatever BLAS the host has (float32-valued operands: within 2^-53 before the
+    one rounding, so equal but for ties at a float32 midpoint)."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202 (Triton's API)
+        if a.data.dtype.kind != "f" or b.data.dtype.kind != "f":  # fp8 stored as ints: Triton's own conversion
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
+        return interpreter.TensorHandle(exact.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+def _round_to_nearest_even_bf16_casts() -> None:
+    """Under TRITON_INTERPRET a float32 -> bfloat16 cast truncates (Triton 3.9's interpreter drops the low bits);
+    on a GPU, and in torch, it rounds to nearest even. Cast the way the hardware does, so bf16 results under the
+    interpreter are the GPU's and can be compared bit for bit (torch's cast: RNE, NaN kept)."""
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):  # noqa: ANN001, ANN202 (Triton's API)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(rounded.numpy().view(np.uint16), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+if not torch.cuda.is_available():  # every kernel a test runs, in any directory, rounds as the GPU does
+    _position_independent_interpreter_dot()
+    _round_to_nearest_even_bf16_casts()
 
 from hypothesis import settings  # noqa: E402
 from torch import Tensor  # noqa: E402

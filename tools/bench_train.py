@@ -5,8 +5,8 @@ The forward is the policy's own (`Transformer`), with the hook the method trains
 only), FP4 fake quantization of weights and activations (fp4_qat) by the fused kernels (on CUDA) or by the
 reference's torch ops, its weights quantized each micro-step or once a step (`step cache`, as the fit runs it: the
 timed micro-steps reuse the warm-up's), or trace_compact's guided forward (`guided parity`: parity records of every
-layer that the FP4 engine captured for these tokens, in pinned host memory, with pad positions; the long fit's
-training is 2x bf16's per token while plain fake quant here costs +4.5%, so this row is where to look first).
+layer that the FP4 engine captured for these tokens, in pinned host memory, with pad positions; each site read in
+place by one kernel, or, `ref copies`, copied out of the record and unpacked first, as before that kernel).
 Variants: the MoE's expert GEMMs as a loop over experts or as one grouped GEMM, and fp32 matmuls in full fp32 or
 TF32, or the forward under bf16 autocast (the fit's `--model.train_compute bf16`). Prints ms a micro-step,
 tokens/s, peak GiB, and each variant's largest logprob difference from the first; `--profile` adds the first
@@ -41,6 +41,14 @@ VARIANTS = {  # name: (expert GEMMs grouped, fp32 matmul precision, autocast dty
     "grouped, tf32": (True, "high", None),
     "grouped, bf16 autocast": (True, "highest", torch.bfloat16),
 }
+
+
+class _RefCopiesHook(GuidedHook):
+    """GuidedHook as it ran before the in-place record kernel: each site's ref copied out and unpacked, then the
+    guided kernel (the before of a before / after)."""
+
+    def _guided_in_place(self, x: torch.Tensor, valid: torch.Tensor, layer: int, site: str) -> None:  # noqa: ARG002
+        return None
 
 
 def micro_step(policy: Transformer, tokens: torch.Tensor, hook_factory: Callable[[], QuantHook],
@@ -111,10 +119,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--hooks", nargs="*", default=["none", "fake_quant", "fake_quant, step cache"],
                         choices=["none", "fake_quant", "fake_quant, step cache", "fake_quant, step cache, torch ops",
-                                 "guided parity, step cache"],
+                                 "guided parity, step cache", "guided parity, step cache, ref copies"],
                         help="guided parity: trace_compact's forward, rounded to parity records of every layer that "
                              "the FP4 engine captured for these tokens (held in host memory, as the long fit holds "
-                             "them; --pad positions of the first row count as padding)")
+                             "them; --pad positions of the first row count as padding); ref copies: each site's "
+                             "ref copied out of the record and unpacked first, as before the in-place kernel")
     parser.add_argument("--pad", type=int, default=24,
                         help="guided: the first row's last PAD positions are padding (plain rounding there, as in a "
                              "fit's right-padded batch); 0: none")
@@ -140,6 +149,8 @@ def main() -> None:
         if args.pad:
             valid[0, -args.pad:] = False
         hooks["guided parity, step cache"] = lambda: GuidedHook("nvfp4", record, "parity", valid, weights=step_weights)
+        hooks["guided parity, step cache, ref copies"] = lambda: _RefCopiesHook("nvfp4", record, "parity", valid,
+                                                                                weights=step_weights)
     fused_default = fake_module._fused_wanted
     same_dtype = lambda x, w: x.dtype == w.dtype  # noqa: E731  (the grouped GEMM for fp32 on CUDA too)
     n_tokens = args.micro_batch * (args.seq - 1)

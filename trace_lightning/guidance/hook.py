@@ -19,7 +19,8 @@ from torch import Tensor
 from trace_lightning.guidance.record import BatchRecord, format_name
 from trace_lightning.model import QuantHook
 from trace_lightning.quant import FakeQuantCache, FP4Format, fake_quantize, parse_format
-from trace_lightning.quant.fake import own_rounding, with_own_rounding
+from trace_lightning.quant import fake as fake_module
+from trace_lightning.quant.fake import own_rounding, straight_through, with_own_rounding
 from trace_lightning.quant.guided import check_guidance_mode
 
 
@@ -251,11 +252,31 @@ class GuidedHook(_FP4TrainHook):
             out = fake_quantize(x, self.fmt)
         else:
             valid = self._mask(self.record, x, layer, site)
-            ref = self.record.ref(layer, site)
             if self._all_valid is None:
                 self._all_valid = bool(valid.all())
-            if not self._all_valid:  # plain rounding where nothing was recorded, in the same guided pass
-                ref = with_own_rounding(ref, x.detach(), _expand_mask(valid, x)[..., 0], self.fmt)
-            out = fake_quantize(x, self.fmt, ref, self.mode)
+            out = self._guided_in_place(x, valid, layer, site)
+            if out is None:
+                ref = self.record.ref(layer, site)
+                if not self._all_valid:  # plain rounding where nothing was recorded, in the same guided pass
+                    ref = with_own_rounding(ref, x.detach(), _expand_mask(valid, x)[..., 0], self.fmt)
+                out = fake_quantize(x, self.fmt, ref, self.mode)
         self._audit(x.detach(), out.detach(), layer, site)
         return out
+
+    def _guided_in_place(self, x: Tensor, valid: Tensor, layer: int, site: str) -> Tensor | None:
+        """Where the fused kernels run (a GPU) and the record is NVFP4: one kernel reads the site where it lies in
+        the batch record (no ref copies, parity unpacking or own-rounding selects: a site's dozen small launches
+        were what made guided training slower than fake quant). None elsewhere: the ref path."""
+        record = self.record
+        assert record is not None
+        if (not fake_module._fused_wanted(x) or self.fmt.kind != "nvfp4" or x.shape[-1] % 16
+                or x.dtype not in (torch.float32, torch.bfloat16)):
+            return None
+        from trace_lightning.kernels.fake_quant import record_guided_fake_quantized  # Triton: where it runs
+
+        slot = record.layout.slot((layer, site))
+        scales_at = slot.offset + slot.global_bytes
+        value, inside = record_guided_fake_quantized(
+            x.detach(), record.data, (slot.offset, scales_at, scales_at + slot.scale_bytes), slot.global_bytes > 0,
+            record.mode, self.mode, None if self._all_valid else valid)
+        return straight_through(x, value, inside)

@@ -22,8 +22,16 @@ import triton.language as tl
 from torch import Tensor
 
 from trace_lightning.kernels._common import sm_count
-from trace_lightning.kernels._fp4 import e2m1_to_f16_scaled, e4m3_to_f32
-from trace_lightning.kernels.quantize import GLOBAL_ROW, _load_blocks, _nvfp4, block_amax_bits, block_offsets
+from trace_lightning.kernels._fp4 import E2M1_CODE_BIAS, e2m1_magnitude, e2m1_to_f16_scaled, e4m3_to_f32, sign_eight
+from trace_lightning.kernels.quantize import (
+    GLOBAL_ROW,
+    _load_blocks,
+    _nvfp4,
+    block_amax_bits,
+    block_offsets,
+    nvfp4_block_scales,
+    row_global,
+)
 from trace_lightning.quant import NVFP4, BlockFP4, FP4Format
 from trace_lightning.quant.guided import check_guidance_mode
 
@@ -37,10 +45,35 @@ def _parity_index(mag, parity):
 
 
 @triton.jit
+def _store_guided(x, code, s, g, inv_g, dq_ptr, inside_ptr, rows, k0, R, K, HAS_GLOBAL: tl.constexpr,
+                  PARITY: tl.constexpr, NB: tl.constexpr):
+    """Round a block_offsets tile x with block scales s [NB, BLOCK_R] (NaN where x's block holds NaN / inf) and row
+    globals g (1 / g given) to `code` (full: the codes; parity: their bit 0 is the parity) and store the dequantized
+    value and the inside mask."""
+    if HAS_GLOBAL:
+        r = tl.math.div_rn(tl.broadcast_to(inv_g[None, :], s.shape), s)
+        mult = s * g[None, :]
+    else:
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        mult = s
+    y = x * r[:, :, None, None]
+    if PARITY:
+        negative = (y.to(tl.int32, bitcast=True) < 0).to(tl.int32)
+        code = _parity_index(tl.abs(y), code & 1) | (negative << 3)
+    value = e2m1_to_f16_scaled(code).to(tl.float32) * 16384.0
+    offs, cols = block_offsets(rows, k0, K, 2, NB)
+    mask = (rows[None, :, None, None] < R) & (cols < K)
+    tl.store(dq_ptr + offs, (value * mult[:, :, None, None]).to(dq_ptr.dtype.element_ty), mask=mask)
+    tl.store(inside_ptr + offs, (tl.abs(y) <= 6.0).to(tl.int8), mask=mask)
+
+
+@triton.jit
 def _guided_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, dq_ptr, inside_ptr, R, K, HAS_GLOBAL: tl.constexpr,
                    PARITY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     NB: tl.constexpr = BLOCK_K // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = None
+    inv_g = None
     if HAS_GLOBAL:
         g = tl.load(g_ptr + rows, mask=rows < R, other=1.0)
         inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
@@ -51,25 +84,66 @@ def _guided_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, dq_ptr, inside_ptr, R, K
         byte = tl.load(scales_ptr + rows[None, :].to(tl.int64) * (K // 16) + nb[:, None], mask=block_mask, other=0)
         s = e4m3_to_f32(byte.to(tl.int32))
         s = tl.where(block_amax_bits(x) >= 0x7F800000, float("nan"), s)  # x's NaN / inf: the NaN scale
-        if HAS_GLOBAL:
-            r = tl.math.div_rn(tl.broadcast_to(inv_g[None, :], s.shape), s)
-            mult = s * g[None, :]
-        else:
-            r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-            mult = s
-        y = x * r[:, :, None, None]
         word = k0 // 8 + tl.arange(0, NB)[:, None, None] * 2 + tl.arange(0, 2)[None, None, :]
         words = tl.load(words_ptr + rows[None, :, None].to(tl.int64) * (K // 8) + word,
                         mask=(rows[None, :, None] < R) & (word < K // 8), other=0)
         code = (words[:, :, :, None] >> (4 * tl.arange(0, 8)[None, None, None, :])) & 15
-        if PARITY:
-            negative = (y.to(tl.int32, bitcast=True) < 0).to(tl.int32)
-            code = _parity_index(tl.abs(y), code & 1) | (negative << 3)
-        value = e2m1_to_f16_scaled(code).to(tl.float32) * 16384.0
-        offs, cols = block_offsets(rows, k0, K, 2, NB)
-        mask = (rows[None, :, None, None] < R) & (cols < K)
-        tl.store(dq_ptr + offs, (value * mult[:, :, None, None]).to(dq_ptr.dtype.element_ty), mask=mask)
-        tl.store(inside_ptr + offs, (tl.abs(y) <= 6.0).to(tl.int8), mask=mask)
+        _store_guided(x, code, s, g, inv_g, dq_ptr, inside_ptr, rows, k0, R, K, HAS_GLOBAL, PARITY, NB)
+
+
+@triton.jit
+def _record_guided_kernel(x_ptr, data_ptr, ok_ptr, dq_ptr, inside_ptr, R, K, ROWS: tl.constexpr, T, stride_b,
+                          stride_t, g_off, s_off, p_off, HAS_GLOBAL: tl.constexpr, PARITY: tl.constexpr,
+                          PARITY_PAYLOAD: tl.constexpr, ANY_UNRECORDED: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """_guided_kernel reading one site of a packed batch record (guidance.layout) where it lies: row i of x is row
+    i % ROWS of token i // ROWS, whose bytes start at data + b * stride_b + t * stride_t; PARITY_PAYLOAD: the payload
+    holds parity bits, else codes (which PARITY may still round by their parity). With ANY_UNRECORDED, tokens
+    whose ok byte is 0 take x's own row-global rounding instead (quant.fake.with_own_rounding's codes, scales and
+    global: plain RNE), computed here from a first pass over their rows."""
+    NB: tl.constexpr = BLOCK_K // 16
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < R
+    token = rows // ROWS
+    row_in_token = rows % ROWS
+    base = (token // T).to(tl.int64) * stride_b + (token % T).to(tl.int64) * stride_t
+    if ANY_UNRECORDED:
+        ok = tl.load(ok_ptr + token, mask=live, other=1) != 0
+    g = None
+    inv_g = None
+    if HAS_GLOBAL:  # the float32 row global's 4 little-endian bytes
+        at = data_ptr + base + g_off + 4 * row_in_token
+        bits = tl.zeros((BLOCK_R,), tl.int32)
+        for i in tl.static_range(4):
+            bits = bits | (tl.load(at + i, mask=live, other=0).to(tl.int32) << (8 * i))
+        g = tl.where(live, bits.to(tl.float32, bitcast=True), 1.0)
+        if ANY_UNRECORDED:
+            g = tl.where(ok, g, row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K))
+        inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
+    for k0 in range(0, K, BLOCK_K):
+        x = _load_blocks(x_ptr, rows, k0, R, K, 2, NB)  # [NB, BLOCK_R, 2, 8]
+        amax_bits = block_amax_bits(x)
+        nb = k0 // 16 + tl.arange(0, NB)
+        block_mask = live[None, :] & (nb[:, None] < K // 16)
+        byte = tl.load(data_ptr + base[None, :] + s_off + row_in_token[None, :] * (K // 16) + nb[:, None],
+                       mask=block_mask, other=0).to(tl.int32)
+        _, cols = block_offsets(rows, k0, K, 2, NB)
+        at = data_ptr + base[None, :, None, None] + p_off
+        payload_mask = live[None, :, None, None] & (cols < K)
+        if PARITY_PAYLOAD:  # 8 mantissa bits a byte, element i at bit i % 8
+            bits = tl.load(at + row_in_token[None, :, None, None] * (K // 8) + cols // 8, mask=payload_mask, other=0)
+            code = (bits.to(tl.int32) >> (cols % 8)) & 1
+        else:  # 2 codes a byte, the even element in the low nibble
+            pair = tl.load(at + row_in_token[None, :, None, None] * (K // 2) + cols // 2, mask=payload_mask, other=0)
+            code = (pair.to(tl.int32) >> (4 * (cols % 2))) & 15
+        if ANY_UNRECORDED:  # x's own block scales and RNE codes (their parity, in parity mode)
+            own_byte, own_r, _ = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], HAS_GLOBAL)
+            own, _ = e2m1_magnitude(tl.abs(x * own_r[:, :, None, None]))
+            own = own - E2M1_CODE_BIAS + sign_eight(x)
+            byte = tl.where(ok[None, :], byte, own_byte)
+            code = tl.where(ok[None, :, None, None], code, own)
+        s = tl.where(amax_bits >= 0x7F800000, float("nan"), e4m3_to_f32(byte))  # x's NaN / inf: the NaN scale
+        _store_guided(x, code, s, g, inv_g, dq_ptr, inside_ptr, rows, k0, R, K, HAS_GLOBAL, PARITY, NB)
 
 
 def _launch(R: int, K: int, device: torch.device) -> tuple[int, int, int]:
@@ -114,6 +188,41 @@ def guided_fake_quantized(x: Tensor, ref: BlockFP4, mode: str) -> tuple[Tensor, 
         x2, _words(_rows(ref.packed, K // 2)), _rows(ref.scale_bytes(), K // 16),
         g_rows if g_rows is not None else x2, value, inside.view(torch.int8), R, K, g_rows is not None,
         mode == "parity", block_r, block_k, num_warps=warps)
+    return value, inside
+
+
+def record_guided_fake_quantized(x: Tensor, data: Tensor, offsets: tuple[int, int, int], has_global: bool,
+                                 payload: str, mode: str, recorded: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(value in x's dtype, inside mask) of x [B, T, *rows, K] rounded to one site of a packed NVFP4 batch record
+    (Triton), read in place: data uint8 [B, T, width] (views welcome), offsets (globals, scale bytes, payload) of
+    the site's slot in a token's row (guidance.layout.SiteSlot), payload the record's mode (its payload holds codes,
+    "full", or parity bits, "parity"), mode the rounding's ("full" needs codes). recorded (B, T) bool, or None when
+    every token has a record: tokens without one round plainly with x's own row-global scales. Equal, bit for bit, to
+    guided_fake_quantized of the site's ref with quant.fake.with_own_rounding at the unrecorded tokens, without the
+    ref's copies, the parity bits' unpacking, the own quantization's bytes or the selects."""
+    check_guidance_mode(mode)
+    if check_guidance_mode(payload) == "parity" and mode == "full":
+        raise ValueError("guidance mode 'full' needs full records, this record holds parity bits only")
+    if x.dim() < 3 or tuple(data.shape[:2]) != tuple(x.shape[:2]) or data.dtype != torch.uint8 or data.stride(-1) != 1:
+        raise ValueError(f"activation of shape {tuple(x.shape)} does not match a uint8 record of rows "
+                         f"(B, T) = {tuple(data.shape[:2])}")
+    B, T, K = x.shape[0], x.shape[1], x.shape[-1]
+    if K % 16:
+        raise ValueError(f"NVFP4 rows must be a multiple of 16 elements, got {K}")
+    if recorded is not None and tuple(recorded.shape) != (B, T):
+        raise ValueError(f"recorded mask of shape {tuple(recorded.shape)} does not match (B, T) = {(B, T)}")
+    x2 = _rows(x, K)
+    R = x2.shape[0]
+    value = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    inside = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    if R == 0:
+        return value, inside
+    ok = x2 if recorded is None else recorded.reshape(B * T).to(torch.int8)
+    block_r, block_k, warps = _launch(R, K, x.device)
+    _record_guided_kernel[(triton.cdiv(R, block_r),)](
+        x2, data, ok, value, inside.view(torch.int8), R, K, R // (B * T), T, data.stride(0), data.stride(1),
+        *offsets, has_global, mode == "parity", payload == "parity", recorded is not None, block_r, block_k,
+        num_warps=warps)
     return value, inside
 
 

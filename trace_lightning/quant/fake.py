@@ -103,7 +103,12 @@ class _StraightThrough(torch.autograd.Function):
 
 def fake_quantize(x: Tensor, fmt: FP4Format | str, ref: BlockFP4 | None = None, mode: str | None = None) -> Tensor:
     """Dequantized FP4 value of x (optionally guided by `ref`), with a straight-through gradient."""
-    return _StraightThrough.apply(x, *fake_quantized(x.detach(), parse_format(fmt), ref, mode))
+    return straight_through(x, *fake_quantized(x.detach(), parse_format(fmt), ref, mode))
+
+
+def straight_through(x: Tensor, value: Tensor, inside: Tensor) -> Tensor:
+    """`value` in the forward; x's gradient where `inside`, blocked elsewhere (value, inside: fake_quantized's)."""
+    return _StraightThrough.apply(x, value, inside)
 
 
 class FakeQuantCache:
@@ -125,7 +130,7 @@ class FakeQuantCache:
             plain = w.detach()
             kept = (stamp, *fake_quantized(plain, fmt, quantize_weight(plain, fmt), "full"))
             self._kept[(layer, name)] = kept
-        return _StraightThrough.apply(w, kept[1], kept[2])
+        return straight_through(w, kept[1], kept[2])
 
     def clear(self) -> None:
         self._kept.clear()
