@@ -81,20 +81,21 @@ def _site_input(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor
     return x.to(dtype)
 
 
-@pytest.mark.parametrize(("record_mode", "rounding", "dtype"), [
-    ("full", "full", torch.float32), ("full", "parity", torch.bfloat16), ("parity", "parity", torch.float32),
-    ("parity", "parity", torch.bfloat16)])
-def test_in_place_record_kernel_equals_the_reference_site_by_site(debug_model, make_records, batch_of,
+@pytest.mark.parametrize(("fmt", "record_mode", "rounding", "dtype"), [
+    ("nvfp4", "full", "full", torch.float32), ("nvfp4", "full", "parity", torch.bfloat16),
+    ("nvfp4", "parity", "parity", torch.float32), ("nvfp4", "parity", "parity", torch.bfloat16),
+    ("nvfp4:none", "parity", "parity", torch.float32)])
+def test_in_place_record_kernel_equals_the_reference_site_by_site(debug_model, make_records, batch_of, fmt: str,
                                                                  record_mode: str, rounding: str,
                                                                  dtype: torch.dtype) -> None:
     seqs, tokens, _ = batch_of(LENGTHS)
-    records = [r if record_mode == "full" else r.compact("parity") for r in make_records(debug_model, seqs, "nvfp4")]
+    records = [r if record_mode == "full" else r.compact("parity") for r in make_records(debug_model, seqs, fmt)]
     # two positions past the longest record (pad rows), read through a window: a strided view of the bytes
     batch = collate_records(records, tokens.shape[1] + 3).window(tokens.shape[1] + 2)
     assert not batch.data.is_contiguous()
     recorded = batch.valid.clone()
     recorded[1, 2] = False  # a recorded position that training treats as padding (its valid mask)
-    fmt = parse_format("nvfp4")
+    fmt = parse_format(fmt)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     on_device = batch.to(device)
     for i, key in enumerate(batch.layout.keys):
@@ -104,7 +105,7 @@ def test_in_place_record_kernel_equals_the_reference_site_by_site(debug_model, m
         offsets = (slot.offset, scales_at, scales_at + slot.scale_bytes)
         for mask in (recorded, None):
             value, inside = record_guided_fake_quantized(
-                x.to(device), on_device.data, offsets, True, batch.mode, rounding,
+                x.to(device), on_device.data, offsets, slot.global_bytes > 0, batch.mode, rounding,
                 None if mask is None else mask.to(device))
             ref = batch.ref(*key)
             if mask is not None:

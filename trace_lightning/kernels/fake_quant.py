@@ -6,12 +6,14 @@ activation; a training forward runs it at every FP4 site of every layer. Here on
 codes and scales) once and writes the two tensors the straight-through estimate needs: the dequantized value, in
 x's dtype, and whether the scaled x lay inside E2M1's range.
 
-- plain (fp4_qat, sites without a record): kernels.quantize's row-global quantizer writes the codes and scales,
-  which the guided kernel then takes as a `full` record;
-- guided (trace, trace_compact, and the weights' own codes): the record's scales and row globals map x into E2M1
-  units in the quantizer's order (x * ((1 / global) / scale)); `full` takes the record's codes, `parity` the nearest
-  magnitude of the recorded mantissa bit (ties to the smaller); a block whose x holds NaN or inf dequantizes to NaN
-  with a mask of False (guided.mark_nonfinite_blocks).
+- plain (fp4_qat, sites without a record): x's own row-global scales and RNE codes, computed and used in the same
+  pass (the in-place record kernel with every row its own);
+- guided by a site of a packed batch record (trace, trace_compact): read where it lies in the record's bytes, plain
+  rounding at tokens without a record;
+- guided by an NVFP4 tensor (the weights' own codes, a record's ref): the record's scales and row globals map x into
+  E2M1 units in the quantizer's order (x * ((1 / global) / scale)); `full` takes the record's codes, `parity` the
+  nearest magnitude of the recorded mantissa bit (ties to the smaller); a block whose x holds NaN or inf
+  dequantizes to NaN with a mask of False (guided.mark_nonfinite_blocks).
 """
 
 from __future__ import annotations
@@ -24,9 +26,7 @@ from torch import Tensor
 from trace_lightning.kernels._common import sm_count
 from trace_lightning.kernels._fp4 import E2M1_CODE_BIAS, e2m1_magnitude, e2m1_to_f16_scaled, e4m3_to_f32, sign_eight
 from trace_lightning.kernels.quantize import (
-    GLOBAL_ROW,
     _load_blocks,
-    _nvfp4,
     block_amax_bits,
     block_offsets,
     nvfp4_block_scales,
@@ -91,57 +91,76 @@ def _guided_kernel(x_ptr, words_ptr, scales_ptr, g_ptr, dq_ptr, inside_ptr, R, K
         _store_guided(x, code, s, g, inv_g, dq_ptr, inside_ptr, rows, k0, R, K, HAS_GLOBAL, PARITY, NB)
 
 
+# Where the in-place kernel's rows take x's own rounding (row-global NVFP4, plain RNE) instead of the record's
+OWN_NONE = tl.constexpr(0)  # nowhere: every token has a record
+OWN_UNRECORDED = tl.constexpr(1)  # at tokens whose ok byte is 0
+OWN_ALL = tl.constexpr(2)  # everywhere, no record read: plain fake quant in one pass
+
+
 @triton.jit
 def _record_guided_kernel(x_ptr, data_ptr, ok_ptr, dq_ptr, inside_ptr, R, K, ROWS: tl.constexpr, T, stride_b,
                           stride_t, g_off, s_off, p_off, HAS_GLOBAL: tl.constexpr, PARITY: tl.constexpr,
-                          PARITY_PAYLOAD: tl.constexpr, ANY_UNRECORDED: tl.constexpr, BLOCK_R: tl.constexpr,
+                          PARITY_PAYLOAD: tl.constexpr, OWN: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_K: tl.constexpr):
     """_guided_kernel reading one site of a packed batch record (guidance.layout) where it lies: row i of x is row
     i % ROWS of token i // ROWS, whose bytes start at data + b * stride_b + t * stride_t; PARITY_PAYLOAD: the payload
-    holds parity bits, else codes (which PARITY may still round by their parity). With ANY_UNRECORDED, tokens
-    whose ok byte is 0 take x's own row-global rounding instead (quant.fake.with_own_rounding's codes, scales and
-    global: plain RNE), computed here from a first pass over their rows."""
+    holds parity bits, else codes (which PARITY may still round by their parity). Rows that OWN names take x's own
+    rounding instead (quant.fake.with_own_rounding's codes, scales and row global: plain RNE), the global from a
+    first pass over their rows."""
     NB: tl.constexpr = BLOCK_K // 16
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < R
     token = rows // ROWS
     row_in_token = rows % ROWS
     base = (token // T).to(tl.int64) * stride_b + (token % T).to(tl.int64) * stride_t
-    if ANY_UNRECORDED:
+    if OWN == OWN_UNRECORDED:
         ok = tl.load(ok_ptr + token, mask=live, other=1) != 0
     g = None
     inv_g = None
-    if HAS_GLOBAL:  # the float32 row global's 4 little-endian bytes
-        at = data_ptr + base + g_off + 4 * row_in_token
-        bits = tl.zeros((BLOCK_R,), tl.int32)
-        for i in tl.static_range(4):
-            bits = bits | (tl.load(at + i, mask=live, other=0).to(tl.int32) << (8 * i))
-        g = tl.where(live, bits.to(tl.float32, bitcast=True), 1.0)
-        if ANY_UNRECORDED:
-            g = tl.where(ok, g, row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K))
+    if HAS_GLOBAL:
+        if OWN == OWN_ALL:
+            g = row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K)
+        else:  # the float32 row global's 4 little-endian bytes
+            at = data_ptr + base + g_off + 4 * row_in_token
+            bits = tl.zeros((BLOCK_R,), tl.int32)
+            for i in tl.static_range(4):
+                bits = bits | (tl.load(at + i, mask=live, other=0).to(tl.int32) << (8 * i))
+            g = tl.where(live, bits.to(tl.float32, bitcast=True), 1.0)
+            if OWN == OWN_UNRECORDED:
+                g = tl.where(ok, g, row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K))
         inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
     for k0 in range(0, K, BLOCK_K):
         x = _load_blocks(x_ptr, rows, k0, R, K, 2, NB)  # [NB, BLOCK_R, 2, 8]
         amax_bits = block_amax_bits(x)
-        nb = k0 // 16 + tl.arange(0, NB)
-        block_mask = live[None, :] & (nb[:, None] < K // 16)
-        byte = tl.load(data_ptr + base[None, :] + s_off + row_in_token[None, :] * (K // 16) + nb[:, None],
-                       mask=block_mask, other=0).to(tl.int32)
-        _, cols = block_offsets(rows, k0, K, 2, NB)
-        at = data_ptr + base[None, :, None, None] + p_off
-        payload_mask = live[None, :, None, None] & (cols < K)
-        if PARITY_PAYLOAD:  # 8 mantissa bits a byte, element i at bit i % 8
-            bits = tl.load(at + row_in_token[None, :, None, None] * (K // 8) + cols // 8, mask=payload_mask, other=0)
-            code = (bits.to(tl.int32) >> (cols % 8)) & 1
-        else:  # 2 codes a byte, the even element in the low nibble
-            pair = tl.load(at + row_in_token[None, :, None, None] * (K // 2) + cols // 2, mask=payload_mask, other=0)
-            code = (pair.to(tl.int32) >> (4 * (cols % 2))) & 15
-        if ANY_UNRECORDED:  # x's own block scales and RNE codes (their parity, in parity mode)
-            own_byte, own_r, _ = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], HAS_GLOBAL)
+        if OWN != OWN_NONE:  # x's own block scales and RNE codes (their parity, in parity mode)
+            if HAS_GLOBAL:
+                own_byte, own_r, _ = nvfp4_block_scales(amax_bits, g[None, :], inv_g[None, :], True)
+            else:
+                own_byte, own_r, _ = nvfp4_block_scales(amax_bits, None, None, False)
             own, _ = e2m1_magnitude(tl.abs(x * own_r[:, :, None, None]))
             own = own - E2M1_CODE_BIAS + sign_eight(x)
-            byte = tl.where(ok[None, :], byte, own_byte)
-            code = tl.where(ok[None, :, None, None], code, own)
+        if OWN == OWN_ALL:
+            byte = own_byte
+            code = own
+        else:
+            nb = k0 // 16 + tl.arange(0, NB)
+            block_mask = live[None, :] & (nb[:, None] < K // 16)
+            byte = tl.load(data_ptr + base[None, :] + s_off + row_in_token[None, :] * (K // 16) + nb[:, None],
+                           mask=block_mask, other=0).to(tl.int32)
+            _, cols = block_offsets(rows, k0, K, 2, NB)
+            at = data_ptr + base[None, :, None, None] + p_off
+            payload_mask = live[None, :, None, None] & (cols < K)
+            if PARITY_PAYLOAD:  # 8 mantissa bits a byte, element i at bit i % 8
+                bits = tl.load(at + row_in_token[None, :, None, None] * (K // 8) + cols // 8, mask=payload_mask,
+                               other=0)
+                code = (bits.to(tl.int32) >> (cols % 8)) & 1
+            else:  # 2 codes a byte, the even element in the low nibble
+                pair = tl.load(at + row_in_token[None, :, None, None] * (K // 2) + cols // 2, mask=payload_mask,
+                               other=0)
+                code = (pair.to(tl.int32) >> (4 * (cols % 2))) & 15
+            if OWN == OWN_UNRECORDED:
+                byte = tl.where(ok[None, :], byte, own_byte)
+                code = tl.where(ok[None, :, None, None], code, own)
         s = tl.where(amax_bits >= 0x7F800000, float("nan"), e4m3_to_f32(byte))  # x's NaN / inf: the NaN scale
         _store_guided(x, code, s, g, inv_g, dq_ptr, inside_ptr, rows, k0, R, K, HAS_GLOBAL, PARITY, NB)
 
@@ -221,18 +240,29 @@ def record_guided_fake_quantized(x: Tensor, data: Tensor, offsets: tuple[int, in
     block_r, block_k, warps = _launch(R, K, x.device)
     _record_guided_kernel[(triton.cdiv(R, block_r),)](
         x2, data, ok, value, inside.view(torch.int8), R, K, R // (B * T), T, data.stride(0), data.stride(1),
-        *offsets, has_global, mode == "parity", payload == "parity", recorded is not None, block_r, block_k,
-        num_warps=warps)
+        *offsets, has_global, mode == "parity", payload == "parity", OWN_NONE if recorded is None else OWN_UNRECORDED,
+        block_r, block_k, num_warps=warps)
     return value, inside
 
 
 def plain_fake_quantized(x: Tensor) -> tuple[Tensor, Tensor]:
     """(value in x's dtype, inside mask) of x's row-global NVFP4 (Triton), as reference_fake_quantized(x, "nvfp4")
-    gives them. The quantizer writes codes and scales (a ninth of x's bytes), the guided kernel in `full` mode reads
-    them back as the record of x's own rounding."""
-    packed, scales, g = _nvfp4(x, None, GLOBAL_ROW)
-    return guided_fake_quantized(x, NVFP4(packed=packed, scales=scales, global_scale=g.view(*x.shape[:-1], 1)),
-                                 "full")
+    gives them: the in-place record kernel with every row its own, so one pass writes them (no codes or scales
+    stored and read back)."""
+    if x.dim() == 0 or x.shape[-1] % 16:
+        raise ValueError(f"NVFP4 rows must be a multiple of 16 elements, got shape {tuple(x.shape)}")
+    K = x.shape[-1]
+    x2 = _rows(x, K)
+    R = x2.shape[0]
+    value = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    inside = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+    if R == 0:
+        return value, inside
+    block_r, block_k, warps = _launch(R, K, x.device)
+    _record_guided_kernel[(triton.cdiv(R, block_r),)](
+        x2, x2, x2, value, inside.view(torch.int8), R, K, 1, 1, 0, 0, 0, 0, 0, True, False, False, OWN_ALL, block_r,
+        block_k, num_warps=warps)
+    return value, inside
 
 
 def fused_fake_quantized(x: Tensor, fmt: FP4Format, ref: BlockFP4 | None = None,
