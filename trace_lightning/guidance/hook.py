@@ -233,6 +233,8 @@ class GuidedHook(_FP4TrainHook):
             raise ValueError(f"valid_mask of shape {tuple(valid_mask.shape)} does not match the record's "
                              f"(B, T) = {tuple(batch_record.valid.shape)}")
         self.record: BatchRecord | None = batch_record
+        self._recorded: Tensor | None = None
+        """(B, T) positions whose record is used, recorded and real tokens (the same for every site: made once)."""
         self._all_valid: bool | None = None
         """Whether every position has a record (the same for every site: read once, one host sync a forward)."""
 
@@ -242,6 +244,7 @@ class GuidedHook(_FP4TrainHook):
         micro-batches of a long-fit step held on the GPU until the step ended)."""
         super().release()
         self.record = None
+        self._recorded = None
 
     def activation(self, x: Tensor, *, layer: int, site: str) -> Tensor:
         self.check_finite(x, layer, site)
@@ -251,9 +254,11 @@ class GuidedHook(_FP4TrainHook):
         if not self.record.has(layer, site):
             out = fake_quantize(x, self.fmt)
         else:
-            valid = self._mask(self.record, x, layer, site)
-            if self._all_valid is None:
-                self._all_valid = bool(valid.all())
+            _check_leading(x, self.record.valid, layer, site)
+            if self._recorded is None:
+                self._recorded = self._mask(self.record, x, layer, site).contiguous()
+                self._all_valid = bool(self._recorded.all())
+            valid = self._recorded
             out = self._guided_in_place(x, valid, layer, site)
             if out is None:
                 ref = self.record.ref(layer, site)
@@ -265,8 +270,8 @@ class GuidedHook(_FP4TrainHook):
 
     def _guided_in_place(self, x: Tensor, valid: Tensor, layer: int, site: str) -> Tensor | None:
         """Where the fused kernels run (a GPU) and the record is NVFP4: one kernel reads the site where it lies in
-        the batch record (no ref copies, parity unpacking or own-rounding selects: a site's dozen small launches
-        were what made guided training slower than fake quant). None elsewhere: the ref path."""
+        the batch record, where the ref path launches a dozen small kernels first (the site's views copied out, the
+        parity bits unpacked, x's own quantization and the selects at padded positions). None elsewhere."""
         record = self.record
         assert record is not None
         if (not fake_module._fused_wanted(x) or self.fmt.kind != "nvfp4" or x.shape[-1] % 16

@@ -236,7 +236,7 @@ def record_guided_fake_quantized(x: Tensor, data: Tensor, offsets: tuple[int, in
     inside = torch.empty(x.shape, dtype=torch.bool, device=x.device)
     if R == 0:
         return value, inside
-    ok = x2 if recorded is None else recorded.reshape(B * T).to(torch.int8)
+    ok = x2 if recorded is None else recorded.reshape(B * T).view(torch.int8)  # a view: no launch
     block_r, block_k, warps = _launch(R, K, x.device)
     _record_guided_kernel[(triton.cdiv(R, block_r),)](
         x2, data, ok, value, inside.view(torch.int8), R, K, R // (B * T), T, data.stride(0), data.stride(1),
