@@ -121,11 +121,11 @@ def _record_guided_kernel(x_ptr, data_ptr, ok_ptr, dq_ptr, inside_ptr, R, K, ROW
         if OWN == OWN_ALL:
             g = row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K)
         else:  # the float32 row global's 4 little-endian bytes
-            at = data_ptr + base + g_off + 4 * row_in_token
-            bits = tl.zeros((BLOCK_R,), tl.int32)
+            g_at = data_ptr + base + g_off + 4 * row_in_token
+            g_bits = tl.zeros((BLOCK_R,), tl.int32)
             for i in tl.static_range(4):
-                bits = bits | (tl.load(at + i, mask=live, other=0).to(tl.int32) << (8 * i))
-            g = tl.where(live, bits.to(tl.float32, bitcast=True), 1.0)
+                g_bits = g_bits | (tl.load(g_at + i, mask=live, other=0).to(tl.int32) << (8 * i))
+            g = tl.where(live, g_bits.to(tl.float32, bitcast=True), 1.0)
             if OWN == OWN_UNRECORDED:
                 g = tl.where(ok, g, row_global(x_ptr, R, K, rows, BLOCK_R, BLOCK_K))
         inv_g = tl.math.div_rn(tl.full((BLOCK_R,), 1.0, tl.float32), g)
