@@ -19,8 +19,8 @@
 #      LONG_ARGS="--model.rollout.prompts_per_step 4"; LONG_ARGS is added to the fit's arguments);
 #   9. (part `exact`, not in `all`) conf/gpu.yaml with trace_exact, then trace_compact (EXACT_METHODS), EXACT_WARMUP
 #      (20) warm-start + RL_STEPS RL steps each, micro-batches of EXACT_MICRO_BATCH (64): every RL step's k3_kl and
-#      the step-time breakdown of each (EXACT_ARGS is added to the fits' arguments; the exact Triton kernels,
-#      "--model.trace.backend triton", are refused on CUDA until tools/exact_kernel_check.py comes back clean);
+#      the step-time breakdown of each (EXACT_ARGS is added to the fits' arguments; "--model.trace.backend triton"
+#      runs the exact Triton kernels, slower than the default torch path on an H100: docs/exact.md);
 #   7. (part `frontier`, not in `all`) k3_kl against record bytes/token over the layer policies (tools/mismatch_table.py
 #      --policies) on the fit's checkpoint if the machine still holds it, else after a 300-step warm start.
 # Needs this checkout installed (pip, editable), or --install; a machine without a package index installs the

@@ -1,11 +1,8 @@
 """A few-step trace_exact fit: every RL step's mismatch is exactly zero, and nothing is recorded."""
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import lightning as L
-import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trace_lightning.lit.callbacks import default_callbacks
@@ -36,15 +33,3 @@ def test_trace_exact_fit_logs_exactly_zero_mismatch_and_no_record(tmp_path: Path
     assert values["guidance/exchange_bytes"] == {2: 0.0, 3: 0.0, 4: 0.0}
     assert not any(tag.startswith("agreement/") for tag in values)  # no audit record either
     assert module.worker.capture_spec() is None
-
-
-def test_a_fit_refuses_the_triton_exact_kernels_on_cuda_before_the_warm_start() -> None:
-    """Lightning's setup, on a trainer whose root device is a GPU: refused before any step (a CPU run, whose Triton
-    backend is the interpreter's, sets up)."""
-    module = PolicyModule(trace=TraceConfig(method="trace_exact", backend="triton"), cpu_threads=1)
-    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda")))
-    with pytest.raises(NotImplementedError, match="refused on CUDA"):
-        module.setup("fit")
-    module._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    module.setup("fit")
-    module.teardown("fit")

@@ -2,10 +2,9 @@
 
 from trace_lightning.exact.forward import (
     ExactForward,
-    check_exact_kernels,
     exact_kernels_for,
     quantize_rows,
     rope_table,
 )
 
-__all__ = ["ExactForward", "check_exact_kernels", "exact_kernels_for", "quantize_rows", "rope_table"]
+__all__ = ["ExactForward", "exact_kernels_for", "quantize_rows", "rope_table"]

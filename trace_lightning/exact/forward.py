@@ -41,17 +41,6 @@ def exact_kernels_for(backend: str) -> str:
     return "triton" if backend == "triton" else "torch"
 
 
-def check_exact_kernels(kernels: str, device: torch.device) -> None:
-    """Refuse the Triton exact kernels on CUDA: they agree with the torch path bit for bit under Triton's interpreter,
-    but on a GPU (an H100) the W4A4 kernel's products differed from the exact reference
-    (tests/kernels/test_exact_gemm.py), so a rollout would compute other values than the policy's."""
-    if kernels == "triton" and device.type == "cuda":
-        raise NotImplementedError(
-            "trace_exact's Triton kernels (--model.trace.backend triton) are refused on CUDA: their W4A4 GEMM failed "
-            "its bit-exactness test on a GPU (tests/kernels/test_exact_gemm.py; it passes under Triton's "
-            "interpreter); use --model.trace.backend auto, the torch exact path measured on the GPU")
-
-
 def quantize_rows(x: Tensor) -> NVFP4:
     """NVFP4 of x [..., K] with a per-row global scale (what the rollout's activation hook and FP4 cache store)."""
     return _quantize_nvfp4(x, row_global_scale(x))
@@ -76,7 +65,6 @@ class ExactForward:
             raise ValueError(f"trace_exact computes NVFP4 only (integer-exact GEMMs need E4M3 scales), got {fmt!r}")
         if kernels not in KERNELS:
             raise ValueError(f"unknown exact kernels {kernels!r}; expected one of {KERNELS}")
-        check_exact_kernels(kernels, next(model.parameters()).device)
         self.model, self.config, self.fmt = model, model.config, fmt
         self.compute_dtype, self.kernels = compute_dtype, kernels
         # the steps the two choices compute alike; None: the torch path's own (the cache's append, integer GEMMs)

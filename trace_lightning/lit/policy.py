@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from trace_lightning.envs import Problem, score_responses
-from trace_lightning.exact import ExactForward, check_exact_kernels, exact_kernels_for
+from trace_lightning.exact import ExactForward
 from trace_lightning.guidance import FakeQuantHook, FiniteCheckHook, GuidedHook, ModelIdentity, NonFiniteActivationError
 from trace_lightning.lit.batch import DemoBatch, TrainBatch, micro_batches
 from trace_lightning.lit.checkpoints import check_fits, policy_weights, read_checkpoint
@@ -194,8 +194,6 @@ class PolicyModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Take cpu_threads for this run only; teardown gives the process its thread count back."""
-        if self.method.exact:  # before the warm start, not at the first rollout
-            check_exact_kernels(exact_kernels_for(self.trace.backend), self.trainer.strategy.root_device)
         self._threads_before = torch.get_num_threads()
         if self.hparams.cpu_threads:
             torch.set_num_threads(self.hparams.cpu_threads)
