@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trace_lightning.guidance import FakeQuantHook, GuidedHook, collate_records
 from trace_lightning.kernels.fake_quant import record_guided_fake_quantized
@@ -127,3 +128,52 @@ def test_in_place_record_kernel_refuses_what_it_cannot_read() -> None:
         record_guided_fake_quantized(torch.zeros(2, 3, 16), data, (0, 0, 4), False, "parity", "full")
     with pytest.raises(ValueError, match="multiple of 16"):
         record_guided_fake_quantized(torch.zeros(2, 3, 8), data, (0, 0, 4), False, "full", "full")
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the aten ops that would each be a GPU launch (views and metadata ops launch nothing)."""
+
+    FREE = ("view", "reshape", "_reshape_alias", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze",
+            "detach", "alias", "t", "transpose", "permute", "empty", "empty_like", "empty_strided", "_to_copy_noop",
+            "lift_fresh", "_unsafe_view", "split", "unbind")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's API)
+        name = func.overloadpacket.__name__
+        if name not in self.FREE:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_guided_site_is_its_kernel_and_a_reduction(debug_model, make_records, batch_of,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the fused path a guided site launches its one kernel and the deferred finite check's one reduction, whatever
+    its shape and padding (about twenty launches before the in-place kernel and the one-pass check); the
+    recorded-position mask is made once a forward."""
+    seqs, tokens, mask = batch_of(LENGTHS)
+    guide = collate_records([r.compact("parity") for r in make_records(debug_model, seqs, "nvfp4")], tokens.shape[1])
+    import trace_lightning.kernels.fake_quant as kernel_module
+
+    kernel_calls: list[str] = []
+
+    def stub(x: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:  # noqa: ANN002, ANN003
+        kernel_calls.append("record_guided")
+        return torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool)
+
+    monkeypatch.setattr(fake_module, "_fused_wanted", lambda x: True)
+    monkeypatch.setattr(kernel_module, "record_guided_fake_quantized", stub)
+    hook = GuidedHook("nvfp4", guide, "parity", mask)
+    hook.deferred = True
+    per_site = []
+    for i, (layer, site) in enumerate(guide.layout.keys):
+        slot = guide.layout.slot((layer, site))
+        x = torch.randn(*mask.shape, *slot.rows, slot.k)
+        with _DeviceOps() as counted:
+            hook.activation(x, layer=layer, site=site)
+        per_site.append(counted.ops if i else [op for op in counted.ops if op not in ("bitwise_and", "all",
+                                                                                      "_local_scalar_dense", "clone")])
+    assert kernel_calls == ["record_guided"] * len(guide.layout.keys)
+    assert all(ops == ["linalg_vector_norm"] for ops in per_site), per_site

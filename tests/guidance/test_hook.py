@@ -162,15 +162,19 @@ def test_audit_counts_zero_codes_equal_and_nan_never() -> None:
 
 @pytest.mark.parametrize("hook", [lambda b: GuidedHook("nvfp4", b, "parity"), lambda b: FakeQuantHook("nvfp4"),
                                   lambda b: FiniteCheckHook()], ids=["guided", "qat", "identity"])
-def test_deferred_finite_checks_name_the_first_bad_site_after_the_forward(hook) -> None:
-    """Deferred: the forward runs on (no host sync a site), and one read afterwards names the first bad site."""
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_deferred_finite_checks_name_the_first_bad_site_after_the_forward(hook, value: float) -> None:
+    """Deferred: the forward runs on (no host sync a site), and one read afterwards names the first bad site; a
+    site with no elements is never bad."""
     x = torch.randn(1, 3, 64)
     _, batch = _rollout(x, "nvfp4", "parity")
     h = hook(batch)
     h.deferred = True
     bad = x.clone()
-    bad[0, 2, 7] = float("inf")
+    bad[0, 2, 7] = value
     h.activation(x, layer=0, site="attn_in")
+    if type(h) is FiniteCheckHook:  # an empty site (the guided and fake-quant hooks need a record of its shape)
+        h.activation(x[:, :0], layer=0, site="moe_down")
     h.activation(bad, layer=1, site="moe_in")  # no raise yet
     h.activation(bad, layer=2, site="attn_in")
     with pytest.raises(NonFiniteActivationError, match="layer 1, site moe_in"):
