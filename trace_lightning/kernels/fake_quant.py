@@ -178,6 +178,12 @@ def _rows(t: Tensor, width: int) -> Tensor:
     return t.reshape(-1, width).contiguous()
 
 
+def _rows_and_outputs(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x as contiguous rows [R, K], and the (value, inside) tensors of x's shape the kernels write."""
+    return (_rows(x, x.shape[-1]), torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(x.shape, dtype=torch.bool, device=x.device))
+
+
 def _words(packed: Tensor) -> Tensor:
     """Packed codes [R, K / 2] as int32 words (8 codes each), copied where the view would be misaligned."""
     if packed.data_ptr() % 4:
@@ -194,12 +200,10 @@ def guided_fake_quantized(x: Tensor, ref: BlockFP4, mode: str) -> tuple[Tensor, 
     if tuple(x.shape) != tuple(ref.shape):
         raise ValueError(f"input shape {tuple(x.shape)} does not match the record's shape {tuple(ref.shape)}")
     K = x.shape[-1]
-    x2 = _rows(x, K)
+    x2, value, inside = _rows_and_outputs(x)
     R = x2.shape[0]
     g = ref.global_scale
     g_rows = None if g is None else torch.broadcast_to(g.float(), (*x.shape[:-1], 1)).reshape(R).contiguous()
-    value = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    inside = torch.empty(x.shape, dtype=torch.bool, device=x.device)
     if R == 0:
         return value, inside
     block_r, block_k, warps = _launch(R, K, x.device)
@@ -230,10 +234,8 @@ def record_guided_fake_quantized(x: Tensor, data: Tensor, offsets: tuple[int, in
         raise ValueError(f"NVFP4 rows must be a multiple of 16 elements, got {K}")
     if recorded is not None and tuple(recorded.shape) != (B, T):
         raise ValueError(f"recorded mask of shape {tuple(recorded.shape)} does not match (B, T) = {(B, T)}")
-    x2 = _rows(x, K)
+    x2, value, inside = _rows_and_outputs(x)
     R = x2.shape[0]
-    value = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    inside = torch.empty(x.shape, dtype=torch.bool, device=x.device)
     if R == 0:
         return value, inside
     ok = x2 if recorded is None else recorded.reshape(B * T).view(torch.int8)  # a view: no launch
@@ -252,10 +254,8 @@ def plain_fake_quantized(x: Tensor) -> tuple[Tensor, Tensor]:
     if x.dim() == 0 or x.shape[-1] % 16:
         raise ValueError(f"NVFP4 rows must be a multiple of 16 elements, got shape {tuple(x.shape)}")
     K = x.shape[-1]
-    x2 = _rows(x, K)
+    x2, value, inside = _rows_and_outputs(x)
     R = x2.shape[0]
-    value = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    inside = torch.empty(x.shape, dtype=torch.bool, device=x.device)
     if R == 0:
         return value, inside
     block_r, block_k, warps = _launch(R, K, x.device)
