@@ -13,6 +13,8 @@
 #   6. (part `methods`, not in `all`) bf16, fp4_qat and trace_compact from one shared warm start, RL_STEPS each
 #      (tools/run_methods.py, resumable: call it again on the same warm machine and it goes on where the last call's
 #      time limit stopped it); results.md's GPU section, its figures and the per-method JSON come back in $OUT;
+#      SEEDS="1 2" runs those seeds (default 0): a session's JSON files kept in the repository and passed to a later
+#      report with `tools/run_methods.py --report --merge DIR` add seeds across sessions;
 #   8. (part `long`, not in `all`) conf/gpu_long.yaml, the long-response fit: 20 warm-start steps (LONG_WARMUP), then RL_STEPS RL
 #      steps of 256 x 1024-token rollouts, for each METHOD in turn (default trace_compact then bf16), same seed; the
 #      step-time breakdown of each as a table; PROFILE_STEP=N profiles global step N's training (StepProfiler) and
@@ -74,7 +76,7 @@ fi
 if [ "$PART" = methods ]; then
   echo "## 6. bf16 / fp4_qat / trace_compact on the GPU, $RL RL steps each from one warm start (resumable)"
   timeout 560 python3 tools/run_methods.py --config conf/gpu.yaml --methods bf16 fp4_qat trace_compact \
-    --warmup-steps 300 --rl-steps "$RL" --out runs/methods_gpu --name gpu 2>&1 \
+    --seeds ${SEEDS:-0} --warmup-steps 300 --rl-steps "$RL" --out runs/methods_gpu --name gpu 2>&1 \
     | tee "$OUT/methods.log" | grep "^{\|Error\|error" | tail -8
   mkdir -p "$OUT/methods" && cp runs/methods_gpu/*.json docs/results.md docs/figures/gpu_* "$OUT/methods/" 2>/dev/null
 fi
