@@ -148,24 +148,30 @@ class _DeviceOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_guided_site_is_its_kernel_and_a_reduction(debug_model, make_records, batch_of,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the fused path a guided site launches its one kernel and the deferred finite check's one reduction, whatever
-    its shape and padding (about twenty launches before the in-place kernel and the one-pass check); the
-    recorded-position mask is made once a forward."""
+@pytest.mark.parametrize("method", ["trace_compact", "fp4_qat"])
+def test_a_site_is_its_kernel_and_a_reduction(debug_model, make_records, batch_of, method: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the fused path a site launches its one kernel and the deferred finite check's one reduction, whatever its
+    shape and padding: guided (about twenty launches before the in-place kernel and the one-pass check) and plain
+    (the quantizer and the guided kernel before the one-pass kernel); the recorded-position mask is made once a
+    forward."""
     seqs, tokens, mask = batch_of(LENGTHS)
     guide = collate_records([r.compact("parity") for r in make_records(debug_model, seqs, "nvfp4")], tokens.shape[1])
     import trace_lightning.kernels.fake_quant as kernel_module
 
     kernel_calls: list[str] = []
 
-    def stub(x: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:  # noqa: ANN002, ANN003
-        kernel_calls.append("record_guided")
-        return torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool)
+    def stub(name: str):  # noqa: ANN202
+        def launch(x: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:  # noqa: ANN002, ANN003
+            kernel_calls.append(name)
+            return torch.empty_like(x), torch.empty(x.shape, dtype=torch.bool)
+
+        return launch
 
     monkeypatch.setattr(fake_module, "_fused_wanted", lambda x: True)
-    monkeypatch.setattr(kernel_module, "record_guided_fake_quantized", stub)
-    hook = GuidedHook("nvfp4", guide, "parity", mask)
+    for name in ("record_guided_fake_quantized", "plain_fake_quantized"):
+        monkeypatch.setattr(kernel_module, name, stub(name))
+    hook = GuidedHook("nvfp4", guide, "parity", mask) if method == "trace_compact" else FakeQuantHook("nvfp4")
     hook.deferred = True
     per_site = []
     for i, (layer, site) in enumerate(guide.layout.keys):
@@ -175,5 +181,6 @@ def test_a_guided_site_is_its_kernel_and_a_reduction(debug_model, make_records, 
             hook.activation(x, layer=layer, site=site)
         per_site.append(counted.ops if i else [op for op in counted.ops if op not in ("bitwise_and", "all",
                                                                                       "_local_scalar_dense", "clone")])
-    assert kernel_calls == ["record_guided"] * len(guide.layout.keys)
+    kernel = "record_guided_fake_quantized" if method == "trace_compact" else "plain_fake_quantized"
+    assert kernel_calls == [kernel] * len(guide.layout.keys)
     assert all(ops == ["linalg_vector_norm"] for ops in per_site), per_site
