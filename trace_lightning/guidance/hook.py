@@ -278,11 +278,12 @@ class GuidedHook(_FP4TrainHook):
         parity bits unpacked, x's own quantization and the selects at padded positions). None elsewhere."""
         record = self.record
         assert record is not None
-        if (not fake_module._fused_wanted(x) or self.fmt.kind != "nvfp4" or x.shape[-1] % 16
-                or x.dtype not in (torch.float32, torch.bfloat16)):
+        if not fake_module._fused_wanted(x):
             return None
-        from trace_lightning.kernels.fake_quant import record_guided_fake_quantized  # Triton: where it runs
+        from trace_lightning.kernels.fake_quant import record_guided_fake_quantized, takes  # Triton: where it runs
 
+        if not takes(x, self.fmt):
+            return None
         slot = record.layout.slot((layer, site))
         scales_at = slot.offset + slot.global_bytes
         value, inside = record_guided_fake_quantized(

@@ -265,11 +265,17 @@ def plain_fake_quantized(x: Tensor) -> tuple[Tensor, Tensor]:
     return value, inside
 
 
+def takes(x: Tensor, fmt: FP4Format) -> bool:
+    """Whether the fused kernels compute x's fake quant in `fmt`: NVFP4, whole 16-element blocks, float32 or
+    bfloat16 (the reference's torch ops take everything else)."""
+    return fmt.kind == "nvfp4" and x.dim() > 0 and x.shape[-1] % 16 == 0 and x.dtype in (torch.float32, torch.bfloat16)
+
+
 def fused_fake_quantized(x: Tensor, fmt: FP4Format, ref: BlockFP4 | None = None,
                          mode: str | None = None) -> tuple[Tensor, Tensor] | None:
     """The fused kernels' (value, inside) where they apply, else None (the caller then runs the reference): guided by
     an NVFP4 record (row, matrix or no global scale), or plain NVFP4 with row globals; float32 or bfloat16 x."""
-    if fmt.kind != "nvfp4" or x.dim() == 0 or x.shape[-1] % 16 or x.dtype not in (torch.float32, torch.bfloat16):
+    if not takes(x, fmt):
         return None
     if ref is not None:
         return guided_fake_quantized(x, ref, mode or "parity") if isinstance(ref, NVFP4) else None
