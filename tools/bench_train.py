@@ -10,14 +10,17 @@ place by one kernel, or, `ref copies`, copied out of the record and unpacked fir
 Variants: the MoE's expert GEMMs as a loop over experts or as one grouped GEMM, and fp32 matmuls in full fp32 or
 TF32, or the forward under bf16 autocast (the fit's `--model.train_compute bf16`). Prints ms a micro-step,
 tokens/s, peak GiB, and each variant's largest logprob difference from the first; `--profile` adds the first
-variant's largest kernels and host ops.
+variant's largest kernels and host ops, `--host-profile` its largest Python functions.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import dataclasses
+import io
+import pstats
 import time
 from collections.abc import Callable
 from functools import partial
@@ -107,6 +110,22 @@ def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> 
           f"launches")
 
 
+def host_profile(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> None:
+    """The Python functions that take the host's time in one call (cProfile, by own time): where a micro-step whose
+    device is idle part of the time spends it enqueueing work."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
+    head, table = out.getvalue().split("   ncalls", 1)
+    print(next(line.strip() for line in head.splitlines() if "function calls" in line))  # calls and host seconds
+    print("   ncalls" + table.rstrip())
+
+
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
@@ -129,6 +148,8 @@ def main() -> None:
                              "fit's right-padded batch); 0: none")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="the first variant's largest Python functions by own time (cProfile, one micro-step)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -187,6 +208,8 @@ def main() -> None:
                   f"{diff:.2e} |", flush=True)
             if args.profile and variant == args.variants[0]:
                 top_ops(step, device, 25)
+            if args.host_profile and variant == args.variants[0]:
+                host_profile(step, device, 25)
     model_module._use_grouped_mm = grouped_default
     torch.set_float32_matmul_precision("highest")
 
