@@ -18,6 +18,8 @@ x's dtype, and whether the scaled x lay inside E2M1's range.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -165,13 +167,24 @@ def _record_guided_kernel(x_ptr, data_ptr, ok_ptr, dq_ptr, inside_ptr, R, K, ROW
         _store_guided(x, code, s, g, inv_g, dq_ptr, inside_ptr, rows, k0, R, K, HAS_GLOBAL, PARITY, NB)
 
 
-def _launch(R: int, K: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_K, warps): about 4096 elements a program, enough programs to fill the chip."""
-    block_k = min(triton.next_power_of_2(K), 1024)
-    block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
-    while block_r > 1 and triton.cdiv(R, block_r) < 2 * sm_count(device):
+def _launch(R: int, K: int, device: torch.device) -> tuple[tuple[int], int, int, int]:
+    """(grid, BLOCK_R, BLOCK_K, warps): about 4096 elements a program, enough programs to fill the chip."""
+    return _launch_for(R, K, sm_count(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_for(R: int, K: int, sms: int) -> tuple[tuple[int], int, int, int]:
+    # Plain integers, remembered: a training forward launches some sixty of these kernels on the host's critical path
+    # (triton.cdiv and next_power_of_2 cost ~2 us a call).
+    block_k = min(_next_power_of_2(K), 1024)
+    block_r = max(1, min(4096 // block_k, _next_power_of_2(R)))
+    while block_r > 1 and -(-R // block_r) < 2 * sms:
         block_r //= 2
-    return block_r, block_k, max(1, min(8, block_r * block_k // 512))
+    return (-(-R // block_r),), block_r, block_k, max(1, min(8, block_r * block_k // 512))
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _rows(t: Tensor, width: int) -> Tensor:
@@ -206,8 +219,8 @@ def guided_fake_quantized(x: Tensor, ref: BlockFP4, mode: str) -> tuple[Tensor, 
     g_rows = None if g is None else torch.broadcast_to(g.float(), (*x.shape[:-1], 1)).reshape(R).contiguous()
     if R == 0:
         return value, inside
-    block_r, block_k, warps = _launch(R, K, x.device)
-    _guided_kernel[(triton.cdiv(R, block_r),)](
+    grid, block_r, block_k, warps = _launch(R, K, x.device)
+    _guided_kernel[grid](
         x2, _words(_rows(ref.packed, K // 2)), _rows(ref.scale_bytes(), K // 16),
         g_rows if g_rows is not None else x2, value, inside.view(torch.int8), R, K, g_rows is not None,
         mode == "parity", block_r, block_k, num_warps=warps)
@@ -239,8 +252,8 @@ def record_guided_fake_quantized(x: Tensor, data: Tensor, offsets: tuple[int, in
     if R == 0:
         return value, inside
     ok = x2 if recorded is None else recorded.reshape(B * T).view(torch.int8)  # a view: no launch
-    block_r, block_k, warps = _launch(R, K, x.device)
-    _record_guided_kernel[(triton.cdiv(R, block_r),)](
+    grid, block_r, block_k, warps = _launch(R, K, x.device)
+    _record_guided_kernel[grid](
         x2, data, ok, value, inside.view(torch.int8), R, K, R // (B * T), T, data.stride(0), data.stride(1),
         *offsets, has_global, mode == "parity", payload == "parity", OWN_NONE if recorded is None else OWN_UNRECORDED,
         block_r, block_k, num_warps=warps)
@@ -258,8 +271,8 @@ def plain_fake_quantized(x: Tensor) -> tuple[Tensor, Tensor]:
     R = x2.shape[0]
     if R == 0:
         return value, inside
-    block_r, block_k, warps = _launch(R, K, x.device)
-    _record_guided_kernel[(triton.cdiv(R, block_r),)](
+    grid, block_r, block_k, warps = _launch(R, K, x.device)
+    _record_guided_kernel[grid](
         x2, x2, x2, value, inside.view(torch.int8), R, K, 1, 1, 0, 0, 0, 0, 0, True, False, False, OWN_ALL, block_r,
         block_k, num_warps=warps)
     return value, inside
