@@ -30,5 +30,5 @@ def test_long_gpu_config_stacks_on_gpu_with_long_responses_and_micro_batches() -
     rollout = ns.model.rollout
     assert rollout.prompts_per_step * rollout.group_size == 256
     assert rollout.min_new_tokens == rollout.max_new_tokens == 1024
-    assert ns.model.micro_batch_size == 2 and ns.model.trace.backend == "auto"
+    assert ns.model.micro_batch_size == 4 and ns.model.train_compute == "bf16" and ns.model.trace.backend == "auto"
     assert ns.trainer.callbacks[3].init_args.bf16_reference_every == 50
