@@ -45,7 +45,6 @@ def test_a_weight_updated_in_place_is_quantized_anew() -> None:
     assert len(cache) == 0
 
 
-
 def test_under_autocast_the_kept_weights_are_autocasts_cast_with_the_same_gradients() -> None:
     """bf16 training compute: the cache keeps a weight as the GEMM's autocast would cast it each micro-batch, once a
     step; the GEMM's output and the master weight's gradient are those of the fp32 fake-quant value cast by autocast."""
