@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU fit (issue 23) in one device call of about 9 minutes, in the order that pays if time runs out:
 #   1. the CUDA tests of the one quantization definition, the engine backends, the device record and the training
-#      fake-quant kernels (the in-place record kernel's first GPU test);
+#      fake-quant kernels, and trace_exact's exact Triton GEMMs (tests/kernels/test_exact_gemm.py: not yet run on a GPU);
 #   2. `trace-rl fit` on conf/gpu.yaml for a short run (warm start, then RL with the weight audit on): the step-time
 #      breakdown, rollout tokens/s inside the fit, sync time, 0 mismatching weight bytes, guided agreement;
 #   3. the standalone engine at the fit's shape (small-moe, 64 x 8 rollouts, 128 new tokens, parity records), the
@@ -40,11 +40,11 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
   echo "## 1. CUDA tests"
-  timeout 180 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/quant/test_one_definition.py \
     tests/kernels/test_one_definition.py tests/kernels/test_engine_backends.py tests/kernels/test_record_slot.py \
     tests/rollout/test_decode_graph.py tests/rollout/test_device_record.py tests/rollout/test_continuous.py \
     tests/rollout/test_convert.py tests/rollout/test_memory.py tests/kernels/test_fake_quant.py \
-    tests/guidance/test_fused_fake_quant.py \
+    tests/guidance/test_fused_fake_quant.py tests/kernels/test_exact_gemm.py \
     2>&1 | tee "$OUT/pytest.log" | tail -6
 fi
 if [ "$PART" = all ] || [ "$PART" = fit ]; then
