@@ -26,6 +26,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from trace_lightning.guidance import BatchRecord
@@ -105,7 +106,8 @@ def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> 
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     print(averages.table(sort_by=sort, row_limit=rows, max_name_column_width=60))
     launches = sum(a.count for a in averages if a.key in LAUNCH_CALLS)
-    busy = sum(getattr(a, "self_device_time_total", 0.0) for a in averages) / 1e3
+    # The device's own events only: an op's row carries its kernels' time too, so summing every row counts it twice.
+    busy = sum(a.self_device_time_total for a in averages if a.device_type == DeviceType.CUDA) / 1e3
     print(f"profiled call: wall {wall * 1e3:.1f} ms (profiler on), device busy {busy:.1f} ms, {launches} kernel "
           f"launches")
 
