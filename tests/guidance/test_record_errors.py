@@ -10,12 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+import ml_dtypes
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
 
 from trace_lightning.guidance import ModelIdentity, QuantRecord, RecordError, load_record, save_record
-from trace_lightning.guidance.record import check_route_values
+from trace_lightning.guidance.record import SiteRecord, check_route_values
 from trace_lightning.guidance.store import (
     MAX_RECORD_BYTES,
     payload_checksum,
@@ -75,6 +77,19 @@ def test_impossible_scales_are_refused(fmt: str, edit, message: str) -> None:  #
     record = _record(fmt)
     with pytest.raises(ValueError, match=message):
         _rebuilt(record, edit)
+
+
+def test_every_e4m3_scale_byte_is_judged_as_ml_dtypes_decodes_it() -> None:
+    """The block-scale check reads bytes, not decoded floats: over all 256 E4M3 bytes it refuses exactly those that
+    ml_dtypes decodes to NaN, zero or a negative value (rtol=0, atol=0: the masks are equal)."""
+    values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    expected = ~(np.isfinite(values) & (values > 0))
+    scales = torch.arange(256, dtype=torch.uint8).reshape(16, 16)[:, ::2]  # a strided view, as a record's site is
+    rec = SiteRecord(scales, torch.zeros(16, 64, dtype=torch.uint8), None)
+    block, bad_global = rec.bad_scales(FP4Format("nvfp4", global_scale="none"))
+    assert bad_global is None
+    np.testing.assert_array_equal(block.numpy(), expected.reshape(16, 16)[:, ::2])
+    assert int(block.sum()) == int(expected.reshape(16, 16)[:, ::2].sum()) > 0
 
 
 def test_duplicate_and_negative_expert_ids_are_refused() -> None:

@@ -118,8 +118,9 @@ class SiteRecord:
         if fmt.kind == "mxfp4":
             block = self.scale_bytes == 0xFF
         else:
-            scales = self.scale_bytes.view(torch.float8_e4m3fn).float()
-            block = ~(torch.isfinite(scales) & (scales > 0))
+            # The positive finite E4M3 bytes are 0x01-0x7E (0x00 is zero, 0x7F NaN, the sign bit negative): one
+            # wrapping byte subtraction and a compare, where decoding to float32 took ~2.9 s a 0.4 GB host record.
+            block = (self.scale_bytes - 1) >= 0x7E
         g = self.global_scale
         return block, None if g is None else ~(torch.isfinite(g) & (g > 0))
 
