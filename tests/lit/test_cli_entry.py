@@ -109,7 +109,7 @@ def test_fit_logs_its_scalars_and_validate_evaluates_its_checkpoint(tmp_path: Pa
 
     logged = scalars(run)
     for tag in ("train/loss", "reward/mean", "mismatch/k3_kl", "time/train_s", "time/rollout_s", "time/sync_s",
-                "rollout/tokens_per_s", "train/tokens_per_s", "eval/accuracy"):
+                "time/record_check_s", "rollout/tokens_per_s", "train/tokens_per_s", "eval/accuracy"):
         assert tag in logged and [step for step, _ in logged[tag]][-1] == 2, tag  # the one RL step (step 2)
     # the BF16 engine's eval accuracy: the same tag in the bf16_reference sub-run (one chart, two colours)
     assert [step for step, _ in scalars(run / "bf16_reference")["eval/accuracy"]][-1] == 2

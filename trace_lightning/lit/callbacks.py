@@ -131,10 +131,13 @@ class CacheExchange(L.Callback):
         model = getattr(module, "synced_identity", None)  # WeightSync's, from the weights it last synced
         if model is None:
             model = ModelIdentity.of(module.policy.config, module.named_weights_for_sync())
+        start = time.perf_counter()
         if self.transport == "bytes":
             metrics = self._through_bytes(module, batch, model)
         else:
             metrics = self._in_place(module, batch.record, model)
+        # Between the batch and the training step: in no other time/* part, so a slow check would hide in step_s.
+        metrics["time/record_check_s"] = time.perf_counter() - start
         per_token = metrics.pop("guidance/bytes_per_token")  # bytes summed over ranks, the rest rank means
         sums = [key for key in metrics if key.endswith("_bytes")]
         log_measured(module, metrics, module.global_step, batch.tokens.shape[0], sums=sums)
