@@ -174,17 +174,13 @@ def _launch(R: int, K: int, device: torch.device) -> tuple[tuple[int], int, int,
 
 @functools.lru_cache(maxsize=1024)
 def _launch_for(R: int, K: int, sms: int) -> tuple[tuple[int], int, int, int]:
-    # Plain integers, remembered: a training forward launches some sixty of these kernels on the host's critical path
-    # (triton.cdiv and next_power_of_2 cost ~2 us a call).
-    block_k = min(_next_power_of_2(K), 1024)
-    block_r = max(1, min(4096 // block_k, _next_power_of_2(R)))
-    while block_r > 1 and -(-R // block_r) < 2 * sms:
+    # Remembered per shape: a training forward launches some sixty of these kernels on the host's critical path, and
+    # triton.cdiv and next_power_of_2 cost ~2 us a call.
+    block_k = min(triton.next_power_of_2(K), 1024)
+    block_r = max(1, min(4096 // block_k, triton.next_power_of_2(R)))
+    while block_r > 1 and triton.cdiv(R, block_r) < 2 * sms:
         block_r //= 2
-    return (-(-R // block_r),), block_r, block_k, max(1, min(8, block_r * block_k // 512))
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    return (triton.cdiv(R, block_r),), block_r, block_k, max(1, min(8, block_r * block_k // 512))
 
 
 def _rows(t: Tensor, width: int) -> Tensor:
