@@ -171,7 +171,9 @@ def main() -> None:
         valid = torch.ones(args.micro_batch, args.seq - 1, dtype=torch.bool, device=device)
         if args.pad:
             valid[0, -args.pad:] = False
-        hooks["guided parity, step cache"] = lambda: GuidedHook("nvfp4", record, "parity", valid, weights=step_weights)
+        full = None if args.pad else True  # as the fit's trainer tells its hooks (PolicyModule.recorded_rows)
+        hooks["guided parity, step cache"] = lambda: GuidedHook("nvfp4", record, "parity", valid, weights=step_weights,
+                                                                all_recorded=full)
         hooks["guided parity, step cache, ref copies"] = lambda: _RefCopiesHook("nvfp4", record, "parity", valid,
                                                                                 weights=step_weights)
     fused_default = fake_module._fused_wanted

@@ -90,6 +90,34 @@ def test_padded_positions_fall_back_to_plain_fake_quant() -> None:
     assert bool(torch.isfinite(out).all())
 
 
+def test_the_trainers_all_recorded_hint_rounds_as_the_hook_reading_the_mask_itself() -> None:
+    """PolicyModule.recorded_rows reads, once a step, which sequences are real tokens with records at every
+    position; a micro-batch of such rows passes all_recorded=True to its hook instead of the hook syncing on it
+    mid-forward. The hint must be right: claimed for a padded row, it rounds the padding to the record's pad row."""
+    from types import SimpleNamespace
+
+    from trace_lightning.lit.policy import PolicyModule
+
+    g = torch.Generator().manual_seed(3)
+
+    def record(n: int) -> QuantRecord:
+        return QuantRecord.from_captures({(0, "attn_in"): FP4Format().quantize(torch.randn(n, 64, generator=g))},
+                                         torch.zeros(1, n, 1, dtype=torch.long), 0, mode="parity")
+
+    batch = collate_records([record(3), record(6), record(6)], pad_to=6)
+    real = torch.tensor([[True] * 3 + [False] * 4, [True] * 7, [True] * 7])  # (B, T + 1): the window is [:, :-1]
+    rows = PolicyModule.recorded_rows(SimpleNamespace(attention_mask=real, record=batch))
+    assert rows == [False, True, True]
+    x = torch.randn(3, 6, 64, generator=g) * 100
+    for part, hint in ((slice(1, 3), True), (slice(0, 1), False)):
+        def out(all_recorded: bool | None, part: slice = part) -> torch.Tensor:
+            hook = GuidedHook("nvfp4", batch.rows(part), "parity", real[part, :-1], all_recorded=all_recorded)
+            return hook.activation(x[part], layer=0, site="attn_in")
+
+        torch.testing.assert_close(out(hint), out(None), rtol=0, atol=0)
+    assert not torch.equal(out(True, slice(0, 1)), out(None, slice(0, 1)))
+
+
 def test_gradient_is_straight_through_and_finite_at_padding() -> None:
     x0 = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(3))
     batch = collate_records([QuantRecord.from_captures({(0, "attn_in"): FP4Format().quantize(x0[0, :2])},

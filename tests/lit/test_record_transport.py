@@ -45,7 +45,7 @@ class Seen(L.Callback):
 
 def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | None = None,
          max_batch: int | None = None, on_host: bool = False, prefill_chunk: int | None = None,
-         problem_workers: int = 0) -> Seen:
+         problem_workers: int = 0, scan: str = "auto") -> Seen:
     torch.manual_seed(0)
     module = PolicyModule(trace=TraceConfig(method="trace_compact", audit_every=2, sites=sites,
                                             records_on_host=on_host),
@@ -55,7 +55,7 @@ def _fit(tmp_path: Path, transport: str, *extra: L.Callback, sites: list[str] | 
     seen = Seen()
     trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[*extra, WeightSync(), CacheExchange(transport), DepthSelectiveCompaction(),
+                        callbacks=[*extra, WeightSync(), CacheExchange(transport, scan), DepthSelectiveCompaction(),
                                    MismatchMonitor(heatmap=False), seen])
     trainer.fit(module, datamodule=RLDataModule(env="arithmetic", demo_batch_size=8, eval_size=8,
                                                 problem_workers=problem_workers))
@@ -79,12 +79,15 @@ def test_device_records_train_exactly_as_records_sent_as_bytes(tmp_path: Path, m
 
 
 class Corrupt(L.Callback):
-    """Writes a NaN E4M3 block scale into the first RL batch's record, as a bad copy or kernel would."""
+    """Writes a NaN E4M3 block scale (or `byte`) into the first RL batch's record, as a bad copy or kernel would."""
+
+    def __init__(self, byte: int = 0x7F) -> None:
+        self.byte = byte
 
     def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
         if isinstance(batch, TrainBatch) and batch.record is not None:
             slot = batch.record.layout.slots[-1]
-            batch.record.data[0, 0, slot.offset + slot.global_bytes] = 0x7F
+            batch.record.data[0, 0, slot.offset + slot.global_bytes] = self.byte
 
 
 def test_a_corrupt_device_record_stops_the_fit_naming_step_and_site(tmp_path: Path) -> None:
@@ -92,9 +95,41 @@ def test_a_corrupt_device_record_stops_the_fit_naming_step_and_site(tmp_path: Pa
         _fit(tmp_path, "device", Corrupt())
 
 
-def test_unknown_transport_is_refused() -> None:
+class Weights(L.Callback):
+    """The policy's weights as each step starts (what a refused step must leave as they were), and the module."""
+
+    def __init__(self) -> None:
+        self.before: dict[str, torch.Tensor] = {}
+        self.module: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+        self.module = module
+
+
+def test_a_corrupt_record_scanned_beside_the_step_is_refused_before_its_optimizer_step(tmp_path: Path) -> None:
+    """scan="beside" (the default where a GPU trains from a host record): the step trains while a host thread
+    reads every scale, and the refusal comes before the update, with the inline scan's message. A zero scale
+    (unlike a NaN one) leaves the forward finite, so only the scan can stop this step."""
+    weights = Weights()
+    with pytest.raises(RecordRefused, match=r"step 1: layer 3 site v: 1 NaN, zero or negative E4M3 block scale"):
+        _fit(tmp_path, "device", weights, Corrupt(0x00), scan="beside")
+    after = weights.module.policy.state_dict()
+    assert weights.module.global_step == 1 and weights.module.pending_checks == []
+    assert all(torch.equal(after[k], v) for k, v in weights.before.items())
+
+
+def test_a_record_scanned_beside_the_step_trains_as_one_scanned_before_it(tmp_path: Path) -> None:
+    inline = _fit(tmp_path / "inline", "device", on_host=True, scan="inline")
+    beside = _fit(tmp_path / "beside", "device", on_host=True, scan="beside")
+    assert len(beside.losses) == 3 and beside.losses == inline.losses
+
+
+def test_unknown_transport_or_scan_is_refused() -> None:
     with pytest.raises(ValueError, match="'device' or 'bytes'"):
         CacheExchange("shm")
+    with pytest.raises(ValueError, match="'auto', 'inline' or 'beside'"):
+        CacheExchange(scan="later")
 
 
 def test_trace_sites_limit_what_is_recorded_on_every_step(tmp_path: Path) -> None:

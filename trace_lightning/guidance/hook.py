@@ -220,11 +220,13 @@ class GuidedHook(_FP4TrainHook):
     batch_record: the collated records of the minibatch, (B, T) like the training input. mode: "full" or
     "parity" (default: the record's). valid_mask: (B, T) real-token mask of the training input. audit: a
     full BatchRecord to audit against, or True to audit against batch_record itself (full records only).
+    all_recorded: whether every position has a record (valid, and a real token where valid_mask says), if the
+    caller knows it; None: read at the first guided site, a host sync that drains the device's queue mid-forward.
     """
 
     def __init__(self, fmt: FP4Format | str, batch_record: BatchRecord, mode: str | None = None,
                  valid_mask: Tensor | None = None, *, audit: bool | BatchRecord = False,
-                 weights: FakeQuantCache | None = None) -> None:
+                 weights: FakeQuantCache | None = None, all_recorded: bool | None = None) -> None:
         self.mode = check_guidance_mode(mode or batch_record.mode)
         if self.mode == "full" and batch_record.mode == "parity":
             raise ValueError("guidance mode 'full' needs full records, the batch record holds parity bits only")
@@ -239,7 +241,7 @@ class GuidedHook(_FP4TrainHook):
         self.record: BatchRecord | None = batch_record
         self._recorded: Tensor | None = None
         """(B, T) positions whose record is used, recorded and real tokens (the same for every site: made once)."""
-        self._all_valid: bool | None = None
+        self._all_valid = all_recorded
         """Whether every position has a record (the same for every site: read once, one host sync a forward)."""
 
     def release(self) -> None:
@@ -261,6 +263,7 @@ class GuidedHook(_FP4TrainHook):
             _check_leading(x, self.record.valid, layer, site)
             if self._recorded is None:
                 self._recorded = self._mask(self.record, x, layer, site).contiguous()
+            if self._all_valid is None:
                 self._all_valid = bool(self._recorded.all())
             valid = self._recorded
             out = self._guided_in_place(x, valid, layer, site)

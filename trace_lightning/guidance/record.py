@@ -396,11 +396,16 @@ class BatchRecord:
         return self._refs[key]
 
     def to(self, device: torch.device | str) -> BatchRecord:
-        """This batch on `device` (itself when already there): one copy of the packed bytes."""
+        """This batch on `device` (itself when already there): one copy of the packed bytes, asynchronous from
+        pinned host memory (the host goes on enqueueing the forward; the device's stream orders the copy before
+        the kernels that read it)."""
         if self.valid.device == torch.device(device):
             return self
-        return replace(self, data=self.data.to(device), routes=self.routes.to(device), valid=self.valid.to(device),
-                       _refs={})
+
+        def moved(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=t.is_pinned())
+
+        return replace(self, data=moved(self.data), routes=moved(self.routes), valid=moved(self.valid), _refs={})
 
     def window(self, length: int) -> BatchRecord:
         """The first `length` positions (views), e.g. a rollout's record cut to the training forward's width."""
@@ -454,6 +459,11 @@ class BatchRecord:
         """Raise ValueError if the batch is stale, from another model, or holds a value no rollout produces (a NaN
         scale, an out-of-range or repeated expert): the device transport's counterpart of ``load_record``'s checks,
         vectorized over the batch with one host sync when everything is right."""
+        self.check_identity(expected_version=expected_version, model=model)
+        self.check_values(None if model is None else model.n_experts)
+
+    def check_identity(self, *, expected_version: int | None = None, model: ModelIdentity | None = None) -> None:
+        """``check``'s part that reads no record bytes (versions, fingerprint, shapes): immediate at any size."""
         if expected_version is not None and min(self.policy_versions) < expected_version:
             raise ValueError(f"stale record: policy version {min(self.policy_versions)} is older than the expected "
                              f"{expected_version}")
@@ -465,7 +475,10 @@ class BatchRecord:
             if (n_layers, top_k) != (model.n_layers, model.top_k):
                 raise ValueError(f"record routes are for {n_layers} layers with top-{top_k}, the model has "
                                  f"{model.n_layers} layers with top-{model.top_k}")
-        n_experts = model.n_experts if model is not None else None
+
+    def check_values(self, n_experts: int | None = None) -> None:
+        """``check``'s scan of every scale and route: seconds for gigabytes of record in host memory, which a
+        caller may run beside the training step's device work (lit.callbacks.CacheExchange)."""
         ids = self.routes.long()
         flags = [(ids < 0).any(), _picked_twice(ids).any()]
         flags += [] if n_experts is None else [(ids >= n_experts).any()]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -28,6 +28,7 @@ from trace_lightning.lit.batch import DemoBatch, TrainBatch, micro_batches
 from trace_lightning.lit.checkpoints import check_fits, policy_weights, read_checkpoint
 from trace_lightning.lit.config import RLConfig, RolloutConfig, TraceConfig, check_run_args
 from trace_lightning.lit.parallel import DataParallel, full_weight_buckets, loss_scale, micro_batch_share
+from trace_lightning.lit.prefetch import RecordPrefetch
 from trace_lightning.lit.tensorboard import log_measured
 from trace_lightning.lit.worker import RolloutWorker
 from trace_lightning.methods import MethodSpec, get_method
@@ -188,6 +189,9 @@ class PolicyModule(L.LightningModule):
         self._eval_workers: dict[str, RolloutWorker] = {}
         self._step_weights = FakeQuantCache()
         """The fake-quantized weights of the step in progress, shared by its micro-batches (cleared after it)."""
+        self.pending_checks: list[Callable[[], None]] = []
+        """Checks of the step's batch running beside it (CacheExchange's record scan), each raising if the batch is
+        refused: settled before the optimizer step, and before an error of the step propagates."""
         self.batch_s = 0.0
         """Wall seconds the data module took to make this step's batch (problems, rollout, scoring, alignment)."""
         self._last_step_start: float | None = None
@@ -251,11 +255,21 @@ class PolicyModule(L.LightningModule):
         optimizer.zero_grad()
         try:
             out = self.supervised_step(batch) if isinstance(batch, DemoBatch) else self.rl_step(batch)
+        except Exception:
+            self.settle_pending_checks()  # a refused batch explains a failed step better than what it broke
+            raise
         finally:
             self._step_weights.clear()  # frees them before the next rollout
+        self.settle_pending_checks()
         optimizer.step()  # counts the step: global_step is step + 1 from here
         self._log_train_time(step)
         return out
+
+    def settle_pending_checks(self) -> None:
+        """Wait for every check of the step's batch still running; the first refusal raises."""
+        checks, self.pending_checks = self.pending_checks, []
+        for settle in checks:
+            settle()
 
     def train_autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The training forward's compute (train_compute): bf16 autocast, or nothing for fp32."""
@@ -290,13 +304,14 @@ class PolicyModule(L.LightningModule):
         log_measured(self, {"train/sft_loss": total}, self.global_step, batch.tokens.shape[0])
         return {"loss": total}
 
-    def training_hook(self, batch: TrainBatch) -> QuantHook | None:
+    def training_hook(self, batch: TrainBatch, all_recorded: bool | None = None) -> QuantHook | None:
         valid = batch.attention_mask[:, :-1]
         audit = batch.audit_record if batch.audit_record is not None else False
         # FSDP gathers each weight anew per forward, so there a micro-batch quantizes its own.
         weights = None if isinstance(self.policy.tok_embeddings.weight, DTensor) else self._step_weights
         if self.method.train_quant == "guided" and batch.record is not None:
-            return GuidedHook(self.fmt, batch.record, self.method.guidance_mode, valid, audit=audit, weights=weights)
+            return GuidedHook(self.fmt, batch.record, self.method.guidance_mode, valid, audit=audit, weights=weights,
+                              all_recorded=all_recorded)
         if self.method.train_quant in ("qat", "guided"):
             return FakeQuantHook(self.fmt, audit=audit or None, valid_mask=valid, weights=weights)
         return None
@@ -351,14 +366,21 @@ class PolicyModule(L.LightningModule):
         # Each rank's share of the global loss and token-mean stats; sync_dist's rank mean is then the global value.
         rank_share, rank_token_share = self.loss_scale(mask, agg), self.loss_scale(mask, "token_mean")
         parts = self.micro_batches(batch.tokens.shape[0])
+        guided = self.method.train_quant == "guided" and batch.record is not None
+        records = RecordPrefetch(batch.record, parts, self.device) if guided else None
+        recorded = self.recorded_rows(batch) if guided else None
         outs = []
         for i, rows in enumerate(parts):
-            part = batch.rows(rows) if len(parts) > 1 else batch
+            part = batch.rows(rows) if len(parts) > 1 or records is not None else batch
+            if records is not None:
+                part.record = records.get(i)  # on the device, copied while the micro-batch before it trained
             share, token_share = rank_share, rank_token_share
             if len(parts) > 1:  # this micro-batch's share of the batch's aggregate
                 share = share * micro_batch_share(part.response_mask, mask, agg)
                 token_share = token_share * micro_batch_share(part.response_mask, mask, "token_mean")
-            outs.append(self.rl_micro_step(part, advantages[rows], share, token_share, last=i == len(parts) - 1))
+            all_recorded = None if recorded is None else all(recorded[rows])
+            outs.append(self.rl_micro_step(part, advantages[rows], share, token_share, last=i == len(parts) - 1,
+                                           all_recorded=all_recorded))
         loss = torch.stack([o["loss"] for o in outs]).sum()
         stats = {key: torch.stack([o["stats"][key] for o in outs]).sum() for key in outs[0]["stats"]}
         stats |= {"policy/loss": loss}
@@ -375,11 +397,19 @@ class PolicyModule(L.LightningModule):
         log_measured(self, measured, self.global_step, n)
         return {"loss": loss, "logprobs": logprobs, "routes": routes, "hook": hook}
 
+    @staticmethod
+    def recorded_rows(batch: TrainBatch) -> list[bool]:
+        """Per sequence, whether each of its positions is a real token with a record (GuidedHook's all_recorded):
+        one host sync a step, where the hook took one a micro-batch, mid-forward."""
+        assert batch.record is not None
+        valid = batch.attention_mask[:, :-1].bool()
+        return (batch.record.valid.to(valid.device) & valid).all(1).tolist()
+
     def rl_micro_step(self, part: TrainBatch, advantages: Tensor, share: Tensor, token_share: Tensor,
-                      last: bool) -> dict[str, Any]:
+                      last: bool, all_recorded: bool | None = None) -> dict[str, Any]:
         """Forward and backward of one micro-batch: its loss scaled to its share of the step's, its token-mean
         stats likewise, and what the callbacks read (logprobs, routes, the hook's audit)."""
-        hook = self.training_hook(part)
+        hook = self.training_hook(part, all_recorded)
         logprobs, routes = self.training_forward(part, hook)
         mask = part.response_mask
         self._check_finite(logprobs.masked_fill(~mask, 0.0), "training logprobs")

@@ -286,8 +286,17 @@ class Recorder:
         valid = self.valid(lengths.to(self.data.device))
         data = self.data[:, : self.length]
         data[~valid] = self.layout.pad_row(self.data.device)  # in place: the record is handed over as is (or copied)
-        return BatchRecord(data.clone() if self.kept else data, routes.to(self.data.device), valid, self.layout,
-                           [policy_version] * self.batch, model_id)
+        if self.kept:
+            data = data.clone()  # on the device: a kept session is never streamed to the host (Engine._kept_length)
+        pinned = data.is_pinned()
+        return BatchRecord(data, _host_side(routes.to(self.data.device), pinned), _host_side(valid, pinned),
+                           self.layout, [policy_version] * self.batch, model_id)
+
+
+def _host_side(t: Tensor, pinned: bool) -> Tensor:
+    """t pinned beside a pinned record's bytes (routes and valid: small), so every copy of it to the device can
+    be asynchronous; as it is otherwise."""
+    return t.pin_memory() if pinned and not t.is_pinned() else t
 
 
 class FP4ActivationHook(QuantHook):
