@@ -177,6 +177,30 @@ def test_non_finite_activation_stops_with_step_layer_and_site(tmp_path: Path) ->
         trainer.fit(module, datamodule=data)
 
 
+def test_a_non_finite_micro_batch_stops_the_step_before_its_update(tmp_path: Path) -> None:
+    """The step's finite checks are read once, after its last micro-batch: the first bad value in micro-batch
+    order is named, and the optimizer step never runs."""
+    module = PolicyModule(rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=2),
+                          warmup_steps=0, cpu_threads=1, micro_batch_size=1)
+    data = RLDataModule(env="arithmetic", demo_batch_size=4, eval_size=4)
+    before: dict[str, torch.Tensor] = {}
+
+    class PoisonOneLayer(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            before.update({k: v.detach().clone() for k, v in module.policy.state_dict().items()})
+            with torch.no_grad():
+                module.policy.layers[2].attn.wo.weight.fill_(float("nan"))
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                        callbacks=[*default_callbacks(), PoisonOneLayer()],
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    with pytest.raises(NonFiniteError, match=r"step 0: non-finite activation at layer 2, site moe_in"):
+        trainer.fit(module, datamodule=data)
+    after = module.policy.state_dict()
+    unchanged = [k for k in before if "layers.2.attn.wo" not in k]
+    assert module._finite_checks == [] and all(torch.equal(after[k], before[k]) for k in unchanged)
+
+
 def test_predict_from_a_checkpoint_samples_with_its_weights(tmp_path: Path) -> None:
     trained, _, _ = _fit(tmp_path, max_steps=3, save=True)
     module = PolicyModule(rollout=RolloutConfig(max_new_tokens=3), cpu_threads=1)

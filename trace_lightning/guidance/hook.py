@@ -94,13 +94,21 @@ class FiniteCheckHook(QuantHook):
 
     def raise_if_nonfinite(self) -> None:
         """Raise NonFiniteActivationError for the first site whose deferred check failed (one host sync)."""
+        pending = self.take_verdicts()
+        if pending is None:
+            return
+        finite, sites = pending
+        for (layer, site), ok in zip(sites, finite.tolist(), strict=True):
+            if not ok:
+                raise NonFiniteActivationError.at(layer, site)
+
+    def take_verdicts(self) -> tuple[Tensor, list[tuple[int, str]]] | None:
+        """The deferred checks so far, still on the device: (whether each site was finite, its (layer, site)), in
+        the forward's order, for a caller that reads many forwards' at once (None if nothing was checked)."""
         flags, self._flags = self._flags, []
         if not flags:
-            return
-        verdicts = torch.isfinite(torch.stack([f for *_, f in flags])).tolist()
-        for (layer, site, _), finite in zip(flags, verdicts, strict=True):
-            if not finite:
-                raise NonFiniteActivationError.at(layer, site)
+            return None
+        return torch.isfinite(torch.stack([f for *_, f in flags])), [(layer, site) for layer, site, _ in flags]
 
 
 class _FP4TrainHook(FiniteCheckHook):

@@ -189,6 +189,10 @@ class PolicyModule(L.LightningModule):
         self._eval_workers: dict[str, RolloutWorker] = {}
         self._step_weights = FakeQuantCache()
         """The fake-quantized weights of the step in progress, shared by its micro-batches (cleared after it)."""
+        self._finite_checks: list[tuple[Tensor, list[str]]] = []
+        """The step's finite checks still on the device (whether each value was finite, what it was): read once,
+        after its last micro-batch, where each micro-batch's three host syncs kept the host from enqueueing its
+        backward before the device had caught up with its forward."""
         self.pending_checks: list[Callable[[], None]] = []
         """Checks of the step's batch running beside it (CacheExchange's record scan), each raising if the batch is
         refused: settled before the optimizer step, and before an error of the step propagates."""
@@ -250,6 +254,7 @@ class PolicyModule(L.LightningModule):
     def training_step(self, batch: DemoBatch | TrainBatch, batch_idx: int) -> dict[str, Any]:
         """One optimizer step: the gradients of every micro-batch of the batch, then the update."""
         self._set_lr()
+        self._finite_checks = []  # left by a forward outside a step (nothing of this step's)
         self._step_tokens = int(batch.attention_mask.sum())
         optimizer, step = self.optimizers(), self.global_step
         optimizer.zero_grad()
@@ -301,6 +306,7 @@ class PolicyModule(L.LightningModule):
             loss = loss * self.loss_scale(batch.target_mask, "token_mean")
             self.accumulate_backward(loss, last=i == len(parts) - 1)
             total += loss.detach()
+        self.raise_if_nonfinite()
         log_measured(self, {"train/sft_loss": total}, self.global_step, batch.tokens.shape[0])
         return {"loss": total}
 
@@ -317,19 +323,20 @@ class PolicyModule(L.LightningModule):
         return None
 
     def training_forward(self, batch: TrainBatch, hook: QuantHook | None) -> tuple[Tensor, list[Tensor]]:
-        """Token logprobs (B, T-1) of tokens[:, 1:] at the sampling temperature, and training's routes."""
+        """Token logprobs (B, T-1) of tokens[:, 1:] at the sampling temperature, and training's routes. Its finite
+        checks wait on the device for ``raise_if_nonfinite``."""
         routed = batch.routes if self.trace.route_replay and batch.routes is not None else None
         if self.method.exact:
             return self.exact_forward(batch, routed)
         checked = hook if isinstance(hook, FiniteCheckHook) else FiniteCheckHook()
-        checked.deferred = True  # one host sync after the forward, not one a site
-        try:
-            with self.train_autocast():
-                out = self.policy(batch.tokens[:, :-1], attention_mask=batch.attention_mask[:, :-1],
-                                  hook=hook or checked, routed=routed, return_routes=True)
-            checked.raise_if_nonfinite()
-        except NonFiniteActivationError as err:
-            raise NonFiniteError(f"step {self.global_step}: {err}") from err
+        checked.deferred = True  # read with the step's other checks (raise_if_nonfinite), not one sync a site
+        with self.train_autocast():
+            out = self.policy(batch.tokens[:, :-1], attention_mask=batch.attention_mask[:, :-1],
+                              hook=hook or checked, routed=routed, return_routes=True)
+        verdicts = checked.take_verdicts()
+        if verdicts is not None:
+            finite, sites = verdicts
+            self._finite_checks.append((finite, [str(NonFiniteActivationError.at(*where)) for where in sites]))
         logprobs = token_logprobs(out.logits.float(), batch.tokens[:, 1:], self.rollout_cfg.temperature)
         return logprobs, out.routes
 
@@ -381,6 +388,7 @@ class PolicyModule(L.LightningModule):
             all_recorded = None if recorded is None else all(recorded[rows])
             outs.append(self.rl_micro_step(part, advantages[rows], share, token_share, last=i == len(parts) - 1,
                                            all_recorded=all_recorded))
+        self.raise_if_nonfinite()
         loss = torch.stack([o["loss"] for o in outs]).sum()
         stats = {key: torch.stack([o["stats"][key] for o in outs]).sum() for key in outs[0]["stats"]}
         stats |= {"policy/loss": loss}
@@ -423,8 +431,19 @@ class PolicyModule(L.LightningModule):
                 "logprobs": logprobs.detach(), "routes": [r.detach() for r in routes], "hook": hook}
 
     def _check_finite(self, value: Tensor, what: str) -> None:
-        if not bool(torch.isfinite(value).all()):
-            raise NonFiniteError(f"step {self.global_step}: non-finite {what}")
+        self._finite_checks.append((torch.isfinite(value).all().reshape(1), [f"non-finite {what}"]))
+
+    def raise_if_nonfinite(self) -> None:
+        """Raise NonFiniteError for the step's first non-finite activation, logit or loss, in the order the
+        micro-batches computed them (one host sync a step; before the optimizer step, so nothing bad is applied)."""
+        checks, self._finite_checks = self._finite_checks, []
+        if not checks:
+            return
+        finite = torch.cat([flags for flags, _ in checks]).tolist()
+        whats = [what for _, names in checks for what in names]
+        for what, ok in zip(whats, finite, strict=True):
+            if not ok:
+                raise NonFiniteError(f"step {self.global_step}: {what}")
 
     def named_weights_for_sync(self) -> dict[str, Tensor]:
         """All master weights, full (gathered under FSDP)."""
