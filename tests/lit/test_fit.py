@@ -158,47 +158,47 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path: Path, audit
             assert torch.equal(ours[index][key], value), (index, key)
 
 
-def test_non_finite_activation_stops_with_step_layer_and_site(tmp_path: Path) -> None:
+class PoisonTrainingWeights(L.Callback):
+    """NaN into the trainer's copy of one layer's `wo` only, after the worker holds good weights; the weights as
+    the step started kept in `before`."""
+
+    def __init__(self, layer: int) -> None:
+        self.layer = layer
+        self.before: dict[str, torch.Tensor] = {}
+        self.module: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+        self.before = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+        self.module = module
+        with torch.no_grad():
+            module.policy.layers[self.layer].attn.wo.weight.fill_(float("nan"))
+
+
+def _poisoned_fit(poison: PoisonTrainingWeights, micro_batch_size: int | None = None) -> PolicyModule:
     module = PolicyModule(rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=2),
-                          warmup_steps=0, cpu_threads=1)
-    data = RLDataModule(env="arithmetic", demo_batch_size=4, eval_size=4)
-
-    class PoisonTrainingWeights(L.Callback):
-        """NaN into the trainer's copy only, after the worker holds good weights."""
-
-        def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-            with torch.no_grad():
-                module.policy.layers[1].attn.wo.weight.fill_(float("nan"))
-
+                          warmup_steps=0, cpu_threads=1, micro_batch_size=micro_batch_size)
     trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        callbacks=[*default_callbacks(), PoisonTrainingWeights()],
+                        callbacks=[*default_callbacks(), poison],
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(module, datamodule=RLDataModule(env="arithmetic", demo_batch_size=4, eval_size=4))
+    return module
+
+
+def test_non_finite_activation_stops_with_step_layer_and_site(tmp_path: Path) -> None:
     with pytest.raises(NonFiniteError, match=r"step 0: .*layer \d+.*site"):
-        trainer.fit(module, datamodule=data)
+        _poisoned_fit(PoisonTrainingWeights(1))
 
 
 def test_a_non_finite_micro_batch_stops_the_step_before_its_update(tmp_path: Path) -> None:
     """The step's finite checks are read once, after its last micro-batch: the first bad value in micro-batch
-    order is named, and the optimizer step never runs."""
-    module = PolicyModule(rollout=RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=2),
-                          warmup_steps=0, cpu_threads=1, micro_batch_size=1)
-    data = RLDataModule(env="arithmetic", demo_batch_size=4, eval_size=4)
-    before: dict[str, torch.Tensor] = {}
-
-    class PoisonOneLayer(L.Callback):
-        def on_train_batch_start(self, trainer: L.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-            before.update({k: v.detach().clone() for k, v in module.policy.state_dict().items()})
-            with torch.no_grad():
-                module.policy.layers[2].attn.wo.weight.fill_(float("nan"))
-
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-                        callbacks=[*default_callbacks(), PoisonOneLayer()],
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    order is named (the first site after the poisoned `wo`), and the optimizer step never runs."""
+    poison = PoisonTrainingWeights(2)
     with pytest.raises(NonFiniteError, match=r"step 0: non-finite activation at layer 2, site moe_in"):
-        trainer.fit(module, datamodule=data)
+        _poisoned_fit(poison, micro_batch_size=1)
+    module = poison.module
     after = module.policy.state_dict()
-    unchanged = [k for k in before if "layers.2.attn.wo" not in k]
-    assert module._finite_checks == [] and all(torch.equal(after[k], before[k]) for k in unchanged)
+    unchanged = [k for k in poison.before if "layers.2.attn.wo" not in k]
+    assert module._finite_checks == [] and all(torch.equal(after[k], poison.before[k]) for k in unchanged)
 
 
 def test_predict_from_a_checkpoint_samples_with_its_weights(tmp_path: Path) -> None:
