@@ -26,11 +26,11 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from trace_lightning.guidance import BatchRecord
 from trace_lightning.guidance.hook import FakeQuantHook, FiniteCheckHook, GuidedHook
+from trace_lightning.lit.profiling import host_and_device
 from trace_lightning.model import model as model_module
 from trace_lightning.model.hooks import QuantHook
 from trace_lightning.model.model import Transformer
@@ -105,11 +105,7 @@ def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> 
     averages = prof.key_averages()
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     print(averages.table(sort_by=sort, row_limit=rows, max_name_column_width=60))
-    launches = sum(a.count for a in averages if a.key in LAUNCH_CALLS)
-    # The device's own events only: an op's row carries its kernels' time too, so summing every row counts it twice.
-    busy = sum(a.self_device_time_total for a in averages if a.device_type == DeviceType.CUDA) / 1e3
-    print(f"profiled call: wall {wall * 1e3:.1f} ms (profiler on), device busy {busy:.1f} ms, {launches} kernel "
-          f"launches")
+    print(f"profiled call: {host_and_device(averages, wall)}")
 
 
 def host_profile(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> None:
@@ -126,9 +122,6 @@ def host_profile(fn: Callable[[], torch.Tensor], device: torch.device, rows: int
     head, table = out.getvalue().split("   ncalls", 1)
     print(next(line.strip() for line in head.splitlines() if "function calls" in line))  # calls and host seconds
     print("   ncalls" + table.rstrip())
-
-
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
 def main() -> None:

@@ -36,3 +36,23 @@ def test_profiles_the_chosen_rl_step_only(tmp_path: Path) -> None:
 def test_bad_arguments_are_named(kwargs: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         StepProfiler(**kwargs)
+
+
+def test_the_host_and_device_line_counts_kernels_once_and_names_launches_and_syncs() -> None:
+    """Device busy time is the device events' own time only (an op's row carries its kernels' too); launches and
+    host syncs are the runtime calls' counts."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from trace_lightning.lit.profiling import host_and_device
+
+    def row(key: str, count: int, device: DeviceType, self_us: float) -> SimpleNamespace:
+        return SimpleNamespace(key=key, count=count, device_type=device, self_device_time_total=self_us)
+
+    averages = [row("aten::mm", 3, DeviceType.CPU, 0.0), row("sm90_gemm", 3, DeviceType.CUDA, 1500.0),
+                row("triton_kernel", 2, DeviceType.CUDA, 500.0), row("cudaLaunchKernel", 3, DeviceType.CPU, 0.0),
+                row("cuLaunchKernelEx", 2, DeviceType.CPU, 0.0), row("cudaStreamSynchronize", 4, DeviceType.CPU, 0.0),
+                row("cudaMemcpy", 1, DeviceType.CPU, 0.0), row("cudaMemcpyAsync", 7, DeviceType.CPU, 0.0)]
+    line = host_and_device(averages, 0.0123)
+    assert line == "wall 12.3 ms (profiler on), device busy 2.0 ms, 5 kernel launches, 5 host syncs"
