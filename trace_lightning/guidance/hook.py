@@ -250,7 +250,8 @@ class GuidedHook(_FP4TrainHook):
         self._recorded: Tensor | None = None
         """(B, T) positions whose record is used, recorded and real tokens (the same for every site: made once)."""
         self._all_valid = all_recorded
-        """Whether every position has a record (the same for every site: read once, one host sync a forward)."""
+        """Whether every position has a record (the same for every site): the caller's all_recorded, else read once,
+        one host sync a forward."""
 
     def release(self) -> None:
         """Also the micro-batch's record, its device copy and the codes unpacked from it (from the shapes, about
