@@ -81,21 +81,34 @@ def test_a_record_streamed_to_the_host_is_the_same_bytes(base_model: Transformer
 
 def test_the_streaming_ring_is_bounded_by_prompt_and_check_interval(base_model: Transformer,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring holds the longest prompt or RING_CHECKS checks' decode steps; flushed only when the next check's
+    steps might not fit, so most host checks copy nothing."""
     from trace_lightning.rollout import capture as capture_module
+    from trace_lightning.rollout.engine import RING_CHECKS
 
     rings: list[tuple[int, ...]] = []
-    init = capture_module.Recorder.__init__
+    copied: list[int] = []
+    init, flush = capture_module.Recorder.__init__, capture_module.Recorder._flush
 
     def spy(self: capture_module.Recorder, *args: object, **kwargs: object) -> None:
         init(self, *args, **kwargs)
         rings.append(tuple(self.ring.shape) if self.ring is not None else ())
 
+    def counted(self: capture_module.Recorder, positions: torch.Tensor) -> None:
+        copied.append(int((positions >= 0).sum(1).max()))
+        flush(self, positions)
+
     monkeypatch.setattr(capture_module.Recorder, "__init__", spy)
+    monkeypatch.setattr(capture_module.Recorder, "_flush", counted)
     engine = Engine(copy.deepcopy(base_model), FP4Precision(), sync_every=4)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40), capture=CaptureSpec(stream_to_host=True))
     width = out.record.layout.width
-    assert rings == [(len(PROMPTS), max(len(p) for p in PROMPTS), width)]  # 9 columns for 48-position sequences
+    assert RING_CHECKS == 4 and rings == [(len(PROMPTS), 16, width)]  # 4 checks of 4 steps (the prompts: <= 9)
     assert out.record.data.shape == (len(PROMPTS), max(len(p) for p in PROMPTS) + 40, width)
+    # the prompt's columns after the prefill; then 39 decode steps with 9 host checks (before steps 4, 8, .., 36):
+    # a flush only where 4 more steps might not fit in 16 columns (before step 16: 15 written; before 32: 16), and
+    # the last 8 at the end: 3 flushes of decode columns where every check flushed before
+    assert copied == [9, 15, 16, 8]
 
 
 def test_dense_prefill_computes_what_the_fp4_kernels_do(base_model: Transformer,

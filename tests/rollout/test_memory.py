@@ -67,10 +67,10 @@ def test_a_streamed_record_costs_the_device_its_ring_only(model: Transformer) ->
     streamed = engine.memory_plan(4, 64, CaptureSpec(mode="parity", stream_to_host=True), prompt_len=9)
     c = engine.config
     recorder = Recorder(engine.record_layout(CaptureSpec(mode="parity")), 4, 64, c.n_layers, c.top_k, c.n_experts,
-                        engine.device, ring=9)
+                        engine.device, ring=16)  # max(prompt 9, RING_CHECKS x sync_every = 16)
     assert streamed.records == recorder.ring.nbytes + recorder.ring_pos.nbytes + recorder.ring_row.nbytes
     assert streamed.host_records == kept.records == recorder.data.nbytes and kept.host_records == 0
-    assert streamed.records < kept.records / 5  # 9 ring columns instead of 64 positions
+    assert streamed.records < kept.records / 3  # 16 ring columns instead of 64 positions
 
 
 # ---- the measured workspace ------------------------------------------------------------------------------------

@@ -241,9 +241,22 @@ class Recorder:
         into the (pinned) host record, asynchronous on the device's stream: a few hundred copies a check. Gathering
         the ring on the host and scattering it byte by byte took 14 ms a decode step at 256 rows of 29 KB
         (medium-moe, every layer's parity record; H100, 2026-12-06), twice the FP4 step itself."""
+        if self.ring is not None:
+            self._flush(self.ring_pos.cpu())
+
+    def check(self, steps_ahead: int) -> None:
+        """At a host check: flush only if the ring may not hold the `steps_ahead` decode steps before the next
+        check (each step writes one column of every row). A ring of several checks' columns is then flushed every
+        few checks, in longer runs: a check with nothing to copy costs the read of the ring's positions, where a
+        flush enqueues one copy per sequence (256 at the long fit, ~4 ms of host time with the device idle)."""
         if self.ring is None:
             return
         positions = self.ring_pos.cpu()
+        if int((positions >= 0).sum(1).max()) + steps_ahead > self.ring.shape[1]:
+            self._flush(positions)
+
+    def _flush(self, positions: Tensor) -> None:
+        assert self.ring is not None
         used = positions >= 0
         if not bool(used.any()):
             return

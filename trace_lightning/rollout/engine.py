@@ -60,6 +60,8 @@ GRAPH_LENGTH_STEP = 64
 """A kept decode session's cache length is the call's rounded up to a multiple of this."""
 WORKSPACE_PROBE_TOKENS = 256
 """workspace_bytes measures forwards of at least this many positions (and 8 rows), where the row terms dominate."""
+RING_CHECKS = 4
+"""Host checks a record streamed to the host holds on the device between two flushes (Recorder.check)."""
 
 
 class Engine:
@@ -180,7 +182,7 @@ class Engine:
         state.begin(tok, lp, lens_t, max_new_t, state.stop.clone())
         prefill_s = device_time(dev) - start  # the prefill's device time, not its launch time
         loop.begin()
-        recorder.step, loop.on_check = state.step, recorder.flush
+        recorder.step, loop.on_check = state.step, functools.partial(recorder.check, self.sync_every)
         steps = 1 + loop.run(N - 1, visible=lambda i: min(P + i, S))
         recorder.flush()
         self._check_finite_logprobs(state.logprobs)
@@ -288,6 +290,7 @@ class Engine:
         def prefill(slot_ids: list[int], seqs: list[int], fresh: bool) -> Tensor:
             nonlocal prefill_s
             start = time.perf_counter()
+            recorder.flush()  # a refill's prefill writes its prompt's columns: what the ring holds goes first
             recorder.rows, recorder.step = torch.tensor(seqs, device=dev), None
             logits = self._prefill_rows([prompts[q] for q in seqs], slot_ids, cache, fresh, hook, recorder)
             recorder.flush()
@@ -297,7 +300,7 @@ class Engine:
 
         loop.load(prefill, lens, max_new)
         start = time.perf_counter()
-        loop.on_check = recorder.flush
+        loop.on_check = functools.partial(recorder.check, self.sync_every)  # at most sync_every steps apart
         steps = 1 + loop.run()
         recorder.flush()
         elapsed = time.perf_counter() - start
@@ -310,8 +313,10 @@ class Engine:
 
     def _ring(self, capture: CaptureSpec | None, prompt_len: int) -> int:
         """Ring columns of a record streamed to the host: the longest prompt (a prefill writes at its positions) or
-        the steps between two host checks, whichever is more; 0: the record stays on the device."""
-        return max(prompt_len, self.sync_every) if capture is not None and capture.stream_to_host else 0
+        the steps of RING_CHECKS host checks, whichever is more; 0: the record stays on the device."""
+        if capture is None or not capture.stream_to_host:
+            return 0
+        return max(prompt_len, self.sync_every * RING_CHECKS)
 
     def _prefill_rows(self, prompts: list[list[int]], rows: list[int], cache: KVCache, fresh: bool,
                       hook: FP4ActivationHook | None, recorder: Recorder) -> Tensor:
