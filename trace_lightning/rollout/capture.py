@@ -301,15 +301,19 @@ class Recorder:
         data[~valid] = self.layout.pad_row(self.data.device)  # in place: the record is handed over as is (or copied)
         if self.kept:
             data = data.clone()  # on the device: a kept session is never streamed to the host (Engine._kept_length)
-        pinned = data.is_pinned()
-        return BatchRecord(data, _host_side(routes.to(self.data.device), pinned), _host_side(valid, pinned),
-                           self.layout, [policy_version] * self.batch, model_id)
+        return BatchRecord(data, _beside(routes, data), _beside(valid, data), self.layout,
+                           [policy_version] * self.batch, model_id)
 
 
-def _host_side(t: Tensor, pinned: bool) -> Tensor:
-    """t pinned beside a pinned record's bytes (routes and valid: small), so every copy of it to the device can
-    be asynchronous; as it is otherwise."""
-    return t.pin_memory() if pinned and not t.is_pinned() else t
+def _beside(t: Tensor, data: Tensor) -> Tensor:
+    """t (routes or valid: small) where the record's bytes `data` are, pinned if they are, so every copy of the
+    record to the device can be asynchronous: one copy straight into pinned memory, not to the host and then
+    pinned."""
+    if not data.is_pinned():
+        return t.to(data.device)
+    if t.is_pinned():
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
 
 class FP4ActivationHook(QuantHook):
