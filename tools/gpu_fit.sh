@@ -120,6 +120,7 @@ if [ "$PART" = long ]; then
       reward/mean | tee "$OUT/long_$METHOD.md"
     mkdir -p "$OUT/long_$METHOD"
     [ -n "$RUN" ] && (cd "$RUN" && find . -name 'events.*' -exec cp --parents {} "$OUT/long_$METHOD" \;)
-    if [ -n "$RUN" ] && cp "$RUN"/profile_step*.txt "$OUT/long_$METHOD/" 2>/dev/null; then head -45 "$RUN"/profile_step*.txt; fi
+    if [ -n "$RUN" ] && cp "$RUN"/profile_step*.txt "$OUT/long_$METHOD/" 2>/dev/null; then
+      head -40 "$RUN"/profile_step*.txt; grep -A 30 "^sorted by self_cpu" "$RUN"/profile_step*.txt; fi
   done
 fi

@@ -86,6 +86,9 @@ class StepProfiler(L.Callback):
         header = f"step {self.step}, {pl_module.device}, sorted by {sort}\n"
         if on_device:
             header += host_and_device(averages, wall) + "\n"
+            # the host's side: where a step the device waits on spends its time (launches, syncs, Python-side ops)
+            table += "\nsorted by self_cpu_time_total\n" + averages.table(
+                sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=70)
         self.path.write_text(header + table)
         if self.trace:
             prof.export_chrome_trace(str(folder / f"profile_step{self.step}.json"))
