@@ -105,6 +105,8 @@ def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> 
     averages = prof.key_averages()
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     print(averages.table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+    if device.type == "cuda":  # the host's side: what a micro-step the device waits on spends its time on
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
     print(f"profiled call: {host_and_device(averages, wall)}")
 
 
