@@ -144,7 +144,7 @@ class Engine:
             raise ValueError(f"prefill_chunk must be None or an integer >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
         self.exact = self._exact_forward(exact)
-        self._workspace: dict[tuple[int, RecordLayout | None, bool], tuple[int, int, int]] = {}  # workspace lines
+        self._workspace: dict[tuple[int, int, RecordLayout | None, bool], tuple[int, int, int]] = {}  # workspace lines
 
     # ---- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -523,20 +523,29 @@ class Engine:
                            self._kept_length(max_len, capture))
         if not workspace:
             return plan
-        return dataclasses.replace(plan, workspace=self._call_workspace(slots, prompt, capture))
+        return dataclasses.replace(plan, workspace=self._call_workspace(slots, prompt, max_len, capture))
 
-    def _call_workspace(self, rows: int, prompt_len: int, capture: CaptureSpec | None) -> int:
+    def _call_workspace(self, rows: int, prompt_len: int, max_len: int, capture: CaptureSpec | None) -> int:
         """The larger of a prefill forward's (rows x one prefill chunk) and a decode step's workspace."""
-        return max(self.workspace_bytes(rows, tokens, capture) for tokens in self._forward_lengths(prompt_len))
+        return max(self.workspace_bytes(rows, tokens, capture, context)
+                   for tokens, context in self._forwards(prompt_len, max_len))
 
-    def _forward_lengths(self, prompt_len: int) -> tuple[int, int]:
-        """The positions of a generate call's forwards: a prefill chunk and a decode step. The decode step is probed
-        over a cache one position long: at long contexts its attention's split partials (kernels/kv.py) are bigger,
-        but attention_splits bounds them (at most 103 MB for the qwen3-30b-a3b shape on an H200's 132 SMs, over
-        batches 1-512 and contexts to 40K: batch 404 at 32K in 16 splits), which the callers' reserve covers."""
-        return min(prompt_len, self.prefill_chunk or prompt_len), 1
+    def _forwards(self, prompt_len: int, max_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(positions, context) of a generate call's forwards: a prefill chunk and a decode step, where context is
+        the cache length a probe of the forward attends over. The Triton kernels read the cache where it lies, so
+        their decode step is probed over a cache one position long: at long contexts its attention's split partials
+        (kernels/kv.py) are bigger, but attention_splits bounds them (at most 103 MB for the qwen3-30b-a3b shape on an
+        H200's 132 SMs, over batches 1-512 and contexts to 40K: batch 404 at 32K in 16 splits), which the callers'
+        reserve covers. The sim's ops (the CPU, and trace_exact's engine) dequantize the cache's visible window into
+        dense tensors to attend over it, a transient that grows with the context (2.2x a 32 x 172 call's plan on the
+        CPU when probed over one position): there both forwards are probed over the call's whole context."""
+        chunk = min(prompt_len, self.prefill_chunk or prompt_len)
+        if is_triton(self.ops):
+            return (chunk, chunk), (1, 1)
+        return (chunk, max(chunk, prompt_len)), (1, max(max_len, 1))
 
-    def workspace_bytes(self, rows: int, tokens: int, capture: CaptureSpec | None = None) -> int:
+    def workspace_bytes(self, rows: int, tokens: int, capture: CaptureSpec | None = None,
+                        context: int | None = None) -> int:
         """Transient device bytes of one forward of `rows` x `tokens` positions (a prefill chunk; tokens 1: a decode
         step) with this capture's recording, logits at each row's last position included. Measured
         (memory.peak_transient_bytes, each after an unmeasured forward that compiles and allocates what stays) at r
@@ -544,23 +553,27 @@ class Engine:
         whose work is independent: the peak is the largest of a few terms linear in the rows, and past a few rows
         the steepest dominates (the sim's per-call weight dequantization, say, only below that). Below r rows: the
         r-row figure. A forward that takes the dense prefill path (rows x tokens >= prefill_dense_from) has its own
-        line, probed on forwards that take it too. Cached per (tokens, record layout, path)."""
-        r, at_r, per_row = self._workspace_line(tokens, capture, self._takes_dense_path(rows, tokens))
+        line, probed on forwards that take it too. `context`: the cache length the forward's positions end at (default
+        `tokens`: a cache they fill). Cached per (tokens, context, record layout, path)."""
+        r, at_r, per_row = self._workspace_line(tokens, capture, self._takes_dense_path(rows, tokens), context)
         return at_r + per_row * max(rows - r, 0)
 
     def _takes_dense_path(self, rows: int, tokens: int) -> bool:
         """Whether a forward of rows x tokens positions runs dense GEMMs on dequantized weights (prefill_dense_from)."""
         return self.prefill_dense_from is not None and rows * tokens >= self.prefill_dense_from
 
-    def _workspace_line(self, tokens: int, capture: CaptureSpec | None, dense: bool = False) -> tuple[int, int, int]:
-        """(probe rows r, bytes at r rows, bytes per further row) of a forward of `tokens` positions; `dense`: of
-        the forwards that take the dense prefill path (probed at r rows that take it)."""
-        key = (tokens, self.record_layout(capture), dense)
+    def _workspace_line(self, tokens: int, capture: CaptureSpec | None, dense: bool = False,
+                        context: int | None = None) -> tuple[int, int, int]:
+        """(probe rows r, bytes at r rows, bytes per further row) of a forward of `tokens` positions at the end of a
+        cache of `context` (default `tokens`); `dense`: of the forwards that take the dense prefill path (probed at r
+        rows that take it)."""
+        context = max(tokens, context or tokens)
+        key = (tokens, context, self.record_layout(capture), dense)
         if key not in self._workspace:
-            r = max(8, -(-WORKSPACE_PROBE_TOKENS // tokens))
+            r = max(8, -(-WORKSPACE_PROBE_TOKENS // context))  # a row's terms dominate from a few hundred positions
             if dense:
                 r = max(r, self._dense_rows(tokens))
-            at_r, at_2r = (self._measure_forward(rows, tokens, capture) for rows in (r, 2 * r))
+            at_r, at_2r = (self._measure_forward(rows, tokens, capture, context) for rows in (r, 2 * r))
             self._workspace[key] = (r, at_r, max(at_2r - at_r, 0) // r)
         return self._workspace[key]
 
@@ -570,13 +583,15 @@ class Engine:
         return -(-self.prefill_dense_from // tokens)
 
     @torch.inference_mode()
-    def _measure_forward(self, rows: int, tokens: int, capture: CaptureSpec | None) -> int:
+    def _measure_forward(self, rows: int, tokens: int, capture: CaptureSpec | None, context: int | None = None) -> int:
+        """Transient bytes of a forward of rows x tokens positions, the last `tokens` of a cache of `context`."""
         c, dev = self.config, self.device
-        recorder, hook, cache = self._call_buffers(capture, rows, tokens)
+        context = max(tokens, context or tokens)
+        recorder, hook, cache = self._call_buffers(capture, rows, context)
         ids = torch.full((rows, tokens), min(3, c.vocab_size - 1), dtype=torch.long, device=dev)
-        positions = torch.arange(tokens, device=dev).expand(rows, tokens)
+        positions = torch.arange(context - tokens, context, device=dev).expand(rows, tokens)
         last = torch.full((rows,), tokens - 1, device=dev)
-        cache.visible = tokens
+        cache.visible = context
 
         def forward() -> Tensor:
             return self._forward(ids, positions, cache, hook, recorder, logits_at=last)
@@ -593,18 +608,19 @@ class Engine:
         if not workspace:
             return memory.largest_batch(per_sequence, one.weights, budget_bytes, reserve_bytes)
         prompt = max_len if prompt_len is None else prompt_len
-        return min(self._largest_for(t, capture, per_sequence, one.weights, budget_bytes, reserve_bytes)
-                   for t in self._forward_lengths(prompt))
+        return min(self._largest_for(t, context, capture, per_sequence, one.weights, budget_bytes, reserve_bytes)
+                   for t, context in self._forwards(prompt, max_len))
 
-    def _largest_for(self, tokens: int, capture: CaptureSpec | None, per_sequence: int, weights: int, budget: int,
-                     reserve: int) -> int:
-        """The largest batch that fits with the workspace of its forwards of `tokens` positions: below the dense
-        prefill path's rows the FP4 kernels' line, from them on the dense path's (its dequantized weights)."""
-        n = self._largest_with(self._workspace_line(tokens, capture), per_sequence, weights, budget, reserve)
+    def _largest_for(self, tokens: int, context: int, capture: CaptureSpec | None, per_sequence: int, weights: int,
+                     budget: int, reserve: int) -> int:
+        """The largest batch that fits with the workspace of its forwards of `tokens` positions (of `context`): below
+        the dense prefill path's rows the FP4 kernels' line, from them on the dense path's (its dequantized weights)."""
+        n = self._largest_with(self._workspace_line(tokens, capture, context=context), per_sequence, weights, budget,
+                               reserve)
         if self.prefill_dense_from is None or n < self._dense_rows(tokens):
             return n
-        dense = self._largest_with(self._workspace_line(tokens, capture, dense=True), per_sequence, weights, budget,
-                                   reserve)
+        dense = self._largest_with(self._workspace_line(tokens, capture, dense=True, context=context), per_sequence,
+                                   weights, budget, reserve)
         return dense if dense >= self._dense_rows(tokens) else self._dense_rows(tokens) - 1
 
     @staticmethod
