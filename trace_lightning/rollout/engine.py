@@ -532,15 +532,17 @@ class Engine:
 
     def _forwards(self, prompt_len: int, max_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """(positions, context) of a generate call's forwards: a prefill chunk and a decode step, where context is
-        the cache length a probe of the forward attends over. The Triton kernels read the cache where it lies, so
-        their decode step is probed over a cache one position long: at long contexts its attention's split partials
-        (kernels/kv.py) are bigger, but attention_splits bounds them (at most 103 MB for the qwen3-30b-a3b shape on an
-        H200's 132 SMs, over batches 1-512 and contexts to 40K: batch 404 at 32K in 16 splits), which the callers'
-        reserve covers. The sim's ops (the CPU, and trace_exact's engine) dequantize the cache's visible window into
-        dense tensors to attend over it, a transient that grows with the context (2.2x a 32 x 172 call's plan on the
-        CPU when probed over one position): there both forwards are probed over the call's whole context."""
+        the cache length a probe of the forward attends over. The Triton engine's attention reads an NVFP4 (or dense)
+        cache where it lies, so its decode step is probed over a cache one position long: at long contexts its split
+        partials (kernels/kv.py) are bigger, but attention_splits bounds them (at most 103 MB for the qwen3-30b-a3b
+        shape on an H200's 132 SMs, over batches 1-512 and contexts to 40K: batch 404 at 32K in 16 splits), which the
+        callers' reserve covers. The sim's ops (the CPU, and trace_exact's engine), an MXFP4 cache and the unfused
+        attention dequantize the cache's visible window into dense tensors to attend over it, a transient that grows
+        with the context (2.2x a 32 x 172 call's plan on the CPU when probed over one position): there both forwards
+        are probed over the call's whole context."""
         chunk = min(prompt_len, self.prefill_chunk or prompt_len)
-        if is_triton(self.ops):
+        kv = self.kv_format
+        if is_triton(self.ops) and (kv is None or (kv.kind == "nvfp4" and self.fused_attention)):
             return (chunk, chunk), (1, 1)
         return (chunk, max(chunk, prompt_len)), (1, max(max_len, 1))
 
