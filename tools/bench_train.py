@@ -92,9 +92,10 @@ def timed(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tu
     return (time.perf_counter() - start) / reps, out
 
 
-def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> None:
+def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int, trace: str | None = None) -> None:
     """The largest ops of one call, and whether it is launch-bound: wall time against the device's busy time (the
-    sum of its kernels' times) and the number of kernel launches."""
+    sum of its kernels' times) and the number of kernel launches; with `trace`, its Chrome trace written there (the
+    gaps where the device waits, which neither table shows)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
@@ -108,6 +109,9 @@ def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> 
     if device.type == "cuda":  # the host's side: what a micro-step the device waits on spends its time on
         print(averages.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
     print(f"profiled call: {host_and_device(averages, wall)}")
+    if trace:
+        prof.export_chrome_trace(trace)
+        print(f"Chrome trace: {trace}")
 
 
 def host_profile(fn: Callable[[], torch.Tensor], device: torch.device, rows: int) -> None:
@@ -145,6 +149,8 @@ def main() -> None:
                              "fit's right-padded batch); 0: none")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--trace", metavar="PREFIX",
+                        help="with --profile: each hook's profiled micro-step as a Chrome trace, PREFIX<hook>.json")
     parser.add_argument("--host-profile", action="store_true",
                         help="the first variant's largest Python functions by own time (cProfile, one micro-step)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -206,7 +212,8 @@ def main() -> None:
             print(f"| {hook_name} | {variant} | {seconds * 1e3:.1f} | {n_tokens / seconds:,.0f} | {peak:.1f} | "
                   f"{diff:.2e} |", flush=True)
             if args.profile and variant == args.variants[0]:
-                top_ops(step, device, 25)
+                name = "".join(c if c.isalnum() else "_" for c in hook_name)
+                top_ops(step, device, 25, f"{args.trace}{name}.json" if args.trace else None)
             if args.host_profile and variant == args.variants[0]:
                 host_profile(step, device, 25)
     model_module._use_grouped_mm = grouped_default

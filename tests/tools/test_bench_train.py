@@ -3,6 +3,7 @@ same logprobs (the grouped GEMM the fits use against the loop over experts)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,18 @@ def test_bench_train_guided_row_rounds_to_an_engine_record() -> None:
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "micro-step" not in line]
     assert [r[0].strip() for r in rows] == ["fake_quant, step cache", "guided parity, step cache"]
     assert all(float(r[2]) > 0 for r in rows)
+
+
+def test_bench_train_writes_each_profiled_hooks_chrome_trace(tmp_path: Path) -> None:
+    """--profile --trace PREFIX: one Chrome trace a hook, of the micro-step whose table is printed."""
+    out = subprocess.run(
+        [sys.executable, "tools/bench_train.py", "--preset", "debug-moe", "--micro-batch", "1", "--seq", "17",
+         "--reps", "1", "--device", "cpu", "--variants", "grouped, fp32", "--hooks", "none", "fake_quant",
+         "--profile", "--trace", str(tmp_path / "step_")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    traces = sorted(p.name for p in tmp_path.iterdir())
+    assert traces == ["step_fake_quant.json", "step_none.json"]
+    assert all(f"Chrome trace: {tmp_path / name}" in out for name in traces)
+    events = json.loads((tmp_path / "step_fake_quant.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::mm" for e in events)  # the micro-step's ops, not an empty trace
