@@ -1,15 +1,17 @@
 """StepProfiler: one chosen step of a real fit profiled, its ops written beside the TensorBoard logs."""
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
+from torch.autograd import DeviceType
 
 from trace_lightning.lit.callbacks import default_callbacks
 from trace_lightning.lit.config import RolloutConfig, TraceConfig
 from trace_lightning.lit.data import RLDataModule
 from trace_lightning.lit.policy import PolicyModule
-from trace_lightning.lit.profiling import StepProfiler
+from trace_lightning.lit.profiling import StepProfiler, host_and_device
 from trace_lightning.lit.tensorboard import RunLogger
 
 
@@ -41,11 +43,6 @@ def test_bad_arguments_are_named(kwargs: dict[str, int], message: str) -> None:
 def test_the_host_and_device_line_counts_kernels_once_and_names_launches_and_syncs() -> None:
     """Device busy time is the device events' own time only (an op's row carries its kernels' too); launches and
     host syncs are the runtime calls' counts."""
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
-
-    from trace_lightning.lit.profiling import host_and_device
 
     def row(key: str, count: int, device: DeviceType, self_us: float) -> SimpleNamespace:
         return SimpleNamespace(key=key, count=count, device_type=device, self_device_time_total=self_us)

@@ -189,9 +189,9 @@ class PolicyModule(L.LightningModule):
         self._eval_workers: dict[str, RolloutWorker] = {}
         self._step_weights = FakeQuantCache()
         """The fake-quantized weights of the step in progress, shared by its micro-batches (cleared after it)."""
-        self._finite_checks: list[tuple[Tensor, list[tuple[int, str]] | str]] = []
-        """The step's finite checks still on the device (whether each value was finite; the forward's (layer, site)
-        of each, or the one value's name), put in words only for a failure: read once,
+        self._finite_checks: list[tuple[Tensor, list[tuple[int, str] | str]]] = []
+        """The step's finite checks still on the device (whether each value was finite; what each was: a forward's
+        (layer, site), or a value's name), put in words only for a failure: read once,
         after its last micro-batch, where each micro-batch's three host syncs kept the host from enqueueing its
         backward before the device had caught up with its forward."""
         self.pending_checks: list[Callable[[], None]] = []
@@ -431,7 +431,7 @@ class PolicyModule(L.LightningModule):
                 "logprobs": logprobs.detach(), "routes": [r.detach() for r in routes], "hook": hook}
 
     def _check_finite(self, value: Tensor, what: str) -> None:
-        self._finite_checks.append((torch.isfinite(value).all().reshape(1), f"non-finite {what}"))
+        self._finite_checks.append((torch.isfinite(value).all().reshape(1), [f"non-finite {what}"]))
 
     def raise_if_nonfinite(self) -> None:
         """Raise NonFiniteError for the step's first non-finite activation, logit or loss, in the order the
@@ -440,7 +440,7 @@ class PolicyModule(L.LightningModule):
         if not checks:
             return
         finite = torch.cat([flags for flags, _ in checks]).tolist()
-        whats = [what for _, names in checks for what in ([names] if isinstance(names, str) else names)]
+        whats = [what for _, names in checks for what in names]
         for what, ok in zip(whats, finite, strict=True):
             if not ok:
                 where = what if isinstance(what, str) else NonFiniteActivationError.at(*what)
