@@ -92,6 +92,15 @@ def timed(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tu
     return (time.perf_counter() - start) / reps, out
 
 
+def allocator_counts(device: torch.device) -> tuple[int, int, int]:
+    """The CUDA caching allocator's device allocations, frees and retries so far (a cudaFree synchronizes the device:
+    a step that frees or retries idles the GPU where no profiler table shows it); zeros off CUDA."""
+    if device.type != "cuda":
+        return 0, 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0), stats.get("num_alloc_retries", 0)
+
+
 def top_ops(fn: Callable[[], torch.Tensor], device: torch.device, rows: int, trace: str | None = None) -> None:
     """The largest ops of one call, and whether it is launch-bound: wall time against the device's busy time (the
     sum of its kernels' times) and the number of kernel launches; with `trace`, its Chrome trace written there (the
@@ -182,8 +191,9 @@ def main() -> None:
     n_tokens = args.micro_batch * (args.seq - 1)
     print(f"{args.preset}, {policy.config.n_layers} layers, micro-batch {args.micro_batch} x {args.seq} tokens, "
           f"{device}: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
-    print("| hook | variant | ms a micro-step | tokens/s | peak GiB | max abs logprob diff from the first |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| hook | variant | ms a micro-step | tokens/s | peak GiB | cudaMalloc / cudaFree / retries a micro-step | "
+          "max abs logprob diff from the first |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     grouped_default = model_module._use_grouped_mm
     for hook_name in args.hooks:
         first: torch.Tensor | None = None
@@ -202,15 +212,18 @@ def main() -> None:
             step_weights.clear()
             step = partial(micro_step, policy, tokens, hooks[hook_name], autocast)
             try:
+                before = allocator_counts(device)
                 seconds, logprobs = timed(step, args.reps, device)
+                allocations = "/".join(f"{(b - a) / (args.reps + 1):.1f}"
+                                       for a, b in zip(before, allocator_counts(device), strict=True))
             except torch.OutOfMemoryError:
-                print(f"| {hook_name} | {variant} | out of memory | | | |")
+                print(f"| {hook_name} | {variant} | out of memory | | | | |")
                 continue
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             diff = 0.0 if first is None else float((logprobs - first).abs().max())
             first = logprobs if first is None else first
             print(f"| {hook_name} | {variant} | {seconds * 1e3:.1f} | {n_tokens / seconds:,.0f} | {peak:.1f} | "
-                  f"{diff:.2e} |", flush=True)
+                  f"{allocations} | {diff:.2e} |", flush=True)
             if args.profile and variant == args.variants[0]:
                 name = "".join(c if c.isalnum() else "_" for c in hook_name)
                 top_ops(step, device, 25, f"{args.trace}{name}.json" if args.trace else None)
