@@ -19,6 +19,7 @@ import argparse
 import copy
 import cProfile
 import dataclasses
+import gc
 import io
 import pstats
 import time
@@ -146,6 +147,9 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1050, help="tokens a sequence (prompt + response)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-gc", action="store_true",
+                        help="Python's cyclic garbage collector off while the micro-steps run (collected between "
+                             "hooks): whether its pauses, which no profiler table shows, idle the device")
     parser.add_argument("--hooks", nargs="*", default=["none", "fake_quant", "fake_quant, step cache"],
                         choices=["none", "fake_quant", "fake_quant, step cache", "fake_quant, step cache, torch ops",
                                  "guided parity, step cache", "guided parity, step cache, ref copies"],
@@ -190,11 +194,15 @@ def main() -> None:
     same_dtype = lambda x, w: x.dtype == w.dtype  # noqa: E731  (the grouped GEMM for fp32 on CUDA too)
     n_tokens = args.micro_batch * (args.seq - 1)
     print(f"{args.preset}, {policy.config.n_layers} layers, micro-batch {args.micro_batch} x {args.seq} tokens, "
-          f"{device}: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+          f"{device}: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+          + (", Python's cyclic GC off" if args.no_gc else ""))
     print("| hook | variant | ms a micro-step | tokens/s | peak GiB | cudaMalloc / cudaFree / retries a micro-step | "
           "max abs logprob diff from the first |")
     print("|---|---|---:|---:|---:|---:|---:|")
     grouped_default = model_module._use_grouped_mm
+    if args.no_gc:
+        gc.collect()
+        gc.disable()
     for hook_name in args.hooks:
         first: torch.Tensor | None = None
         # "torch ops": the reference quantizer's ops instead of the fused fake-quant kernels (the path before them)
@@ -210,6 +218,8 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             policy.zero_grad(set_to_none=True)
             step_weights.clear()
+            if args.no_gc:
+                gc.collect()
             step = partial(micro_step, policy, tokens, hooks[hook_name], autocast)
             try:
                 before = allocator_counts(device)
@@ -231,6 +241,7 @@ def main() -> None:
                 host_profile(step, device, 25)
     model_module._use_grouped_mm = grouped_default
     torch.set_float32_matmul_precision("highest")
+    gc.enable()
 
 
 if __name__ == "__main__":
