@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from trace_lightning.guidance import BatchRecord
 from trace_lightning.guidance.hook import FakeQuantHook, FiniteCheckHook, GuidedHook
+from trace_lightning.lit.collector import CollectorTime
 from trace_lightning.lit.profiling import host_and_device
 from trace_lightning.model import model as model_module
 from trace_lightning.model.hooks import QuantHook
@@ -197,8 +198,8 @@ def main() -> None:
           f"{device}: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
           + (", Python's cyclic GC off" if args.no_gc else ""))
     print("| hook | variant | ms a micro-step | tokens/s | peak GiB | cudaMalloc / cudaFree / retries a micro-step | "
-          "max abs logprob diff from the first |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          "Python GC ms a micro-step | max abs logprob diff from the first |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     grouped_default = model_module._use_grouped_mm
     if args.no_gc:
         gc.collect()
@@ -223,17 +224,18 @@ def main() -> None:
             step = partial(micro_step, policy, tokens, hooks[hook_name], autocast)
             try:
                 before = allocator_counts(device)
-                seconds, logprobs = timed(step, args.reps, device)
+                with CollectorTime() as collector:
+                    seconds, logprobs = timed(step, args.reps, device)
                 allocations = "/".join(f"{(b - a) / (args.reps + 1):.1f}"
                                        for a, b in zip(before, allocator_counts(device), strict=True))
             except torch.OutOfMemoryError:
-                print(f"| {hook_name} | {variant} | out of memory | | | | |")
+                print(f"| {hook_name} | {variant} | out of memory | | | | | |")
                 continue
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             diff = 0.0 if first is None else float((logprobs - first).abs().max())
             first = logprobs if first is None else first
             print(f"| {hook_name} | {variant} | {seconds * 1e3:.1f} | {n_tokens / seconds:,.0f} | {peak:.1f} | "
-                  f"{allocations} | {diff:.2e} |", flush=True)
+                  f"{allocations} | {collector.seconds * 1e3 / (args.reps + 1):.1f} | {diff:.2e} |", flush=True)
             if args.profile and variant == args.variants[0]:
                 name = "".join(c if c.isalnum() else "_" for c in hook_name)
                 top_ops(step, device, 25, f"{args.trace}{name}.json" if args.trace else None)

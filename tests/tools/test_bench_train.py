@@ -25,7 +25,8 @@ def test_bench_train_rows_and_identical_logprobs() -> None:
     ]
     assert all(float(r[2]) > 0 for r in rows)
     assert all(r[5].strip() == "0.0/0.0/0.0" for r in rows)  # no CUDA allocator on the CPU
-    assert all(float(r[6]) == 0.0 for r in rows)  # grouped against loop, each hook: the same logprobs to the bit
+    assert all(float(r[6]) >= 0.0 for r in rows)  # the collector's pauses, timed
+    assert all(float(r[7]) == 0.0 for r in rows)  # grouped against loop, each hook: the same logprobs to the bit
 
 
 def test_bench_train_guided_row_rounds_to_an_engine_record() -> None:

@@ -1,0 +1,100 @@
+"""Python's cyclic garbage collector, run between training steps instead of inside them.
+
+A training step's forward and backward create and drop tens of thousands of Python objects (autograd nodes, the
+hooks' straight-through functions, Triton's launch arguments). Each 700 net new container objects the automatic
+collector runs, and every tenth of those runs also scans the older generations: a pause of the host, which on a GPU
+is the thread enqueueing the work, so the device's queue runs dry while it lasts. The profiler's tables do not show
+it (it is neither an op nor a kernel). Here the automatic collector is off while the fit runs; each step ends with a
+collection of the young generations (its cyclic garbage lives one step at most) and every `full_every` steps with a
+full one. Either way, the collector's time is logged as ``time/gc_s``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+import lightning as L
+
+from trace_lightning.lit.tensorboard import log_measured
+
+
+class CollectorTime:
+    """Seconds the cyclic collector has run since the last take(), automatic and explicit collections alike (from
+    gc.callbacks, which the interpreter calls at each collection's start and stop)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._started: float | None = None
+
+    def __enter__(self) -> CollectorTime:
+        if self._on_collection not in gc.callbacks:
+            gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:  # noqa: ARG002 (gc.callbacks' signature)
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self.collections += 1
+            self._started = None
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, collections) since the last take."""
+        out = (self.seconds, self.collections)
+        self.seconds, self.collections = 0.0, 0
+        return out
+
+
+class GarbageCollection(L.Callback):
+    """The cyclic collector between steps (`manual`, the default) or left automatic and only timed.
+
+    Args:
+        manual: Turn the automatic collector off for the fit and collect after each step (young generations; all
+            of them every `full_every` steps). False leaves it as it is and logs what its pauses cost.
+        full_every: Steps between full collections (long-lived cyclic garbage: a discarded engine, a dropped
+            record store) when `manual`.
+    """
+
+    def __init__(self, manual: bool = True, full_every: int = 20) -> None:
+        if full_every < 1:
+            raise ValueError(f"GarbageCollection full_every must be >= 1, got {full_every}")
+        self.manual, self.full_every = manual, full_every
+        self.timer = CollectorTime()
+        self._was_enabled: bool | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.timer.__enter__()
+        if self.manual and self._was_enabled is None:
+            self._was_enabled = gc.isenabled()
+            gc.collect()  # what setup left, once, before the steps
+            gc.disable()
+        self.timer.take()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step - 1  # global_step already counts this step
+        if self.manual:
+            gc.collect(2 if (step + 1) % self.full_every == 0 else 1)
+        seconds, _ = self.timer.take()
+        log_measured(pl_module, {"time/gc_s": seconds}, step)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        """The collector as the fit found it (a fit in a notebook or a test must not leave it off)."""
+        self.timer.__exit__()
+        if self._was_enabled:
+            gc.enable()
+        self._was_enabled = None
