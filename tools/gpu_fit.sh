@@ -45,6 +45,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     tests/rollout/test_decode_graph.py tests/rollout/test_device_record.py tests/rollout/test_continuous.py \
     tests/rollout/test_convert.py tests/rollout/test_memory.py tests/kernels/test_fake_quant.py \
     tests/guidance/test_fused_fake_quant.py tests/kernels/test_exact_gemm.py tests/lit/test_prefetch.py \
+    tests/guidance/test_record_transfer.py \
     2>&1 | tee "$OUT/pytest.log" | tail -6
 fi
 if [ "$PART" = all ] || [ "$PART" = fit ]; then
