@@ -4,11 +4,11 @@ as the fit found it; CollectorTime times collections from the interpreter's own 
 from __future__ import annotations
 
 import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import pytest
 
 from trace_lightning.lit.callbacks import default_callbacks
 from trace_lightning.lit.collector import CollectorTime, GarbageCollection
@@ -38,14 +38,20 @@ def test_collector_time_counts_each_collection_and_unhooks_itself() -> None:
 
 
 class _SeesCollector(L.Callback):
-    """Whether the automatic collector was on at each step's start (after the data module made the batch)."""
+    """Whether the automatic collector was on at each step's start (after the data module made the batch), and
+    whether the cyclic garbage each step leaves was gone by the next step's start."""
 
     def __init__(self) -> None:
         self.enabled: list[bool] = []
+        self.collected: list[bool] = []
+        self._garbage: weakref.ref | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self.enabled.append(gc.isenabled())
+        if self._garbage is not None:
+            self.collected.append(self._garbage() is None)
+        self._garbage = weakref.ref(_Cycle())  # unreachable at once, but a cycle: only a collection frees it
 
 
 def _fit(tmp_path: Path, collector: GarbageCollection) -> tuple[L.Trainer, _SeesCollector]:
@@ -63,10 +69,11 @@ def _fit(tmp_path: Path, collector: GarbageCollection) -> tuple[L.Trainer, _Sees
 
 def test_the_collector_is_off_in_the_steps_timed_between_them_and_restored(tmp_path: Path) -> None:
     assert gc.isenabled()
-    collector = GarbageCollection(full_every=2)
+    collector = GarbageCollection()
     trainer, seen = _fit(tmp_path, collector)
     assert seen.enabled == [False, False, False]
-    assert gc.isenabled() and collector.timer._on_collection not in gc.callbacks
+    assert seen.collected == [True, True]  # each step's cyclic garbage collected at its end
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and collector.timer._on_collection not in gc.callbacks
     assert trainer.callback_metrics["time/gc_s"] > 0  # the last step's collection, timed
 
 
@@ -74,7 +81,3 @@ def test_timing_only_leaves_the_collector_on(tmp_path: Path) -> None:
     _, seen = _fit(tmp_path, GarbageCollection(manual=False))
     assert seen.enabled == [True, True, True] and gc.isenabled()
 
-
-def test_full_every_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="full_every must be >= 1"):
-        GarbageCollection(full_every=0)

@@ -4,9 +4,11 @@ A training step's forward and backward create and drop tens of thousands of Pyth
 hooks' straight-through functions, Triton's launch arguments). Each 700 net new container objects the automatic
 collector runs, and every tenth of those runs also scans the older generations: a pause of the host, which on a GPU
 is the thread enqueueing the work, so the device's queue runs dry while it lasts. The profiler's tables do not show
-it (it is neither an op nor a kernel). Here the automatic collector is off while the fit runs; each step ends with a
-collection of the young generations (its cyclic garbage lives one step at most) and every `full_every` steps with a
-full one. Either way, the collector's time is logged as ``time/gc_s``.
+it (it is neither an op nor a kernel). Here the automatic collector is off while the fit runs, and each step ends with
+a full collection, so a step's cyclic garbage (which may hold a step's records or a rollout's buffers) lives one step
+at most. What the fit's setup built (modules, tokenizer, datasets: most of a process's objects) is frozen first
+(gc.freeze), so those collections scan only what the steps made. Either way, the collector's time is logged as
+``time/gc_s``.
 """
 
 from __future__ import annotations
@@ -57,16 +59,12 @@ class GarbageCollection(L.Callback):
     """The cyclic collector between steps (`manual`, the default) or left automatic and only timed.
 
     Args:
-        manual: Turn the automatic collector off for the fit and collect after each step (young generations; all
-            of them every `full_every` steps). False leaves it as it is and logs what its pauses cost.
-        full_every: Steps between full collections (long-lived cyclic garbage: a discarded engine, a dropped
-            record store) when `manual`.
+        manual: Freeze what setup built, turn the automatic collector off for the fit and collect after each step.
+            False leaves the collector as it is and logs what its pauses cost.
     """
 
-    def __init__(self, manual: bool = True, full_every: int = 20) -> None:
-        if full_every < 1:
-            raise ValueError(f"GarbageCollection full_every must be >= 1, got {full_every}")
-        self.manual, self.full_every = manual, full_every
+    def __init__(self, manual: bool = True) -> None:
+        self.manual = manual
         self.timer = CollectorTime()
         self._was_enabled: bool | None = None
 
@@ -74,17 +72,17 @@ class GarbageCollection(L.Callback):
         self.timer.__enter__()
         if self.manual and self._was_enabled is None:
             self._was_enabled = gc.isenabled()
-            gc.collect()  # what setup left, once, before the steps
+            gc.collect()  # what setup left, once, before freezing the rest
+            gc.freeze()
             gc.disable()
         self.timer.take()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        step = trainer.global_step - 1  # global_step already counts this step
         if self.manual:
-            gc.collect(2 if (step + 1) % self.full_every == 0 else 1)
+            gc.collect()
         seconds, _ = self.timer.take()
-        log_measured(pl_module, {"time/gc_s": seconds}, step)
+        log_measured(pl_module, {"time/gc_s": seconds}, trainer.global_step - 1)  # global_step counts this step
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._restore()
@@ -93,8 +91,10 @@ class GarbageCollection(L.Callback):
         self._restore()
 
     def _restore(self) -> None:
-        """The collector as the fit found it (a fit in a notebook or a test must not leave it off)."""
+        """The collector as the fit found it (a fit in a notebook or a test must not leave it off or frozen)."""
         self.timer.__exit__()
-        if self._was_enabled:
-            gc.enable()
+        if self._was_enabled is not None:
+            gc.unfreeze()
+            if self._was_enabled:
+                gc.enable()
         self._was_enabled = None
