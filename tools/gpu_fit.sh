@@ -19,7 +19,8 @@
 #      steps of 256 x 1024-token rollouts, for each METHOD in turn (default trace_compact then bf16), same seed; the
 #      step-time breakdown of each as a table; PROFILE_STEP=N profiles global step N's training (StepProfiler) and
 #      prints its largest kernels (a step of 128 micro-batches profiles for minutes: shrink it with, e.g.,
-#      LONG_ARGS="--model.rollout.prompts_per_step 4"; LONG_ARGS is added to the fit's arguments);
+#      LONG_ARGS="--model.rollout.prompts_per_step 4"; LONG_ARGS is added to the fit's arguments); PROFILE_TRACE=1 also
+#      writes that step's Chrome trace and prints where the device waited in it (tools/trace_gaps.py);
 #   9. (part `exact`, not in `all`) conf/gpu.yaml with trace_exact, then trace_compact (EXACT_METHODS), EXACT_WARMUP
 #      (20) warm-start + RL_STEPS RL steps each, micro-batches of EXACT_MICRO_BATCH (64): every RL step's k3_kl and
 #      the step-time breakdown of each (EXACT_ARGS is added to the fits' arguments; "--model.trace.backend triton"
@@ -114,6 +115,7 @@ if [ "$PART" = long ]; then
       --config conf/gpu_long.yaml --config "conf/method/$METHOD.yaml" --trainer.max_steps $((WARM + RL)) \
       --model.warmup_steps "$WARM" --trainer.val_check_interval $((WARM + RL)) --trainer.limit_val_batches 0 \
       ${PROFILE_STEP:+--trainer.callbacks+=trace_lightning.lit.profiling.StepProfiler --trainer.callbacks.step=$PROFILE_STEP} \
+      ${PROFILE_STEP:+${PROFILE_TRACE:+--trainer.callbacks.trace=true}} \
       ${LONG_ARGS:-} \
       2>&1 | tee "$OUT/long_$METHOD.log" | grep -v Warning | tail -6
     RUN=$(ls -d runs/gpu/*/version_* 2>/dev/null | head -1)
@@ -123,5 +125,10 @@ if [ "$PART" = long ]; then
     [ -n "$RUN" ] && (cd "$RUN" && find . -name 'events.*' -exec cp --parents {} "$OUT/long_$METHOD" \;)
     if [ -n "$RUN" ] && cp "$RUN"/profile_step*.txt "$OUT/long_$METHOD/" 2>/dev/null; then
       head -40 "$RUN"/profile_step*.txt; grep -A 30 "^sorted by self_cpu" "$RUN"/profile_step*.txt; fi
+    for TRACE in "$RUN"/profile_step*.json; do  # PROFILE_TRACE=1: where the device waits in the profiled step
+      [ -f "$TRACE" ] || continue
+      python3 tools/trace_gaps.py "$TRACE" --rows 15 | tee "$OUT/long_$METHOD/gaps.md"
+      gzip -c "$TRACE" > "$OUT/long_$METHOD/$(basename "$TRACE").gz"
+    done
   done
 fi
