@@ -64,9 +64,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused is not None and not torch.is_grad_enabled():
             return self.fused(x, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32 by torch's rms_norm: on the CPU the same ops as written out (the same
+        # bits, gradients too), on CUDA one kernel forward and one backward where the written-out form launched some
+        # twenty between them (a training step is launch-bound: docs/benchmarks.md).
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # no cast between the norm and the scale
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
