@@ -69,7 +69,7 @@ def _fit(tmp_path: Path, collector: GarbageCollection) -> tuple[L.Trainer, _Sees
 
 def test_the_collector_is_off_in_the_steps_timed_between_them_and_restored(tmp_path: Path) -> None:
     assert gc.isenabled()
-    collector = GarbageCollection()
+    collector = GarbageCollection(manual=True)
     trainer, seen = _fit(tmp_path, collector)
     assert seen.enabled == [False, False, False]
     assert seen.collected == [True, True]  # each step's cyclic garbage collected at its end
@@ -77,7 +77,8 @@ def test_the_collector_is_off_in_the_steps_timed_between_them_and_restored(tmp_p
     assert trainer.callback_metrics["time/gc_s"] > 0  # the last step's collection, timed
 
 
-def test_timing_only_leaves_the_collector_on(tmp_path: Path) -> None:
-    _, seen = _fit(tmp_path, GarbageCollection(manual=False))
+def test_by_default_the_collector_stays_automatic_and_is_timed(tmp_path: Path) -> None:
+    trainer, seen = _fit(tmp_path, GarbageCollection())
     assert seen.enabled == [True, True, True] and gc.isenabled()
+    assert "time/gc_s" in trainer.callback_metrics
 

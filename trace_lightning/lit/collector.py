@@ -1,14 +1,16 @@
-"""Python's cyclic garbage collector, run between training steps instead of inside them.
+"""Python's cyclic garbage collector: its time logged, and optionally run between training steps only.
 
 A training step's forward and backward create and drop tens of thousands of Python objects (autograd nodes, the
 hooks' straight-through functions, Triton's launch arguments), and the automatic collector runs whenever enough have
-piled up: a pause of the host thread that enqueues the GPU's work, which no profiler table shows. Measured on an H100
-(docs/benchmarks.md, 2026-12-08): 12 ms of a guided micro-step in the micro-step bench, but only 0.04 s of a 19 s step
-in the long fit. Here the automatic collector is off while the fit runs and each step ends with a full collection, so
-a step's cyclic garbage (which may hold its records or a rollout's buffers) lives one step at most; what the fit's
-setup built (modules, tokenizer, datasets: most of a process's objects) is frozen first (gc.freeze), so those
-collections scan only what the steps made (1.8 ms a step on the CPU's sim fit). Either way, the collector's time is
-logged as ``time/gc_s``.
+piled up: a pause of the host thread that enqueues the GPU's work, which no profiler table shows. ``time/gc_s`` logs
+what it cost each step. Measured (docs/benchmarks.md, 2026-12-08): 12 ms of a guided micro-step in the micro-step
+bench on an H100, but only 0.04 s of a 19 s step in the long fit there; 2.4 ms a step on average on the CPU's sim fit
+(400 steps, one collection of 0.3 s among them). With
+``manual`` the automatic collector is off while the fit runs and each step ends with a full collection, so a step's
+cyclic garbage (which may hold its records or a rollout's buffers) lives one step at most; what the fit's setup built
+is frozen first (gc.freeze), so those collections scan only what the steps made. That keeps every pause out of the
+steps, at a price that grows with what the steps keep alive (9 ms a step on the sim fit's 400 steps): for a fit whose
+``time/gc_s`` shows the automatic collector's pauses mattering.
 """
 
 from __future__ import annotations
@@ -56,14 +58,14 @@ class CollectorTime:
 
 
 class GarbageCollection(L.Callback):
-    """The cyclic collector between steps (`manual`, the default) or left automatic and only timed.
+    """The cyclic collector's time a step (``time/gc_s``), left automatic (the default) or run between steps only.
 
     Args:
-        manual: Freeze what setup built, turn the automatic collector off for the fit and collect after each step.
-            False leaves the collector as it is and logs what its pauses cost.
+        manual: Freeze what setup built, turn the automatic collector off for the fit and collect fully after each
+            step. False leaves the collector as it is and logs what its pauses cost.
     """
 
-    def __init__(self, manual: bool = True) -> None:
+    def __init__(self, manual: bool = False) -> None:
         self.manual = manual
         self.timer = CollectorTime()
         self._was_enabled: bool | None = None
